@@ -1,0 +1,27 @@
+"""The sharding engine: pure torch and torch.distributed, no Lightning.
+
+See ``sharded_model.ShardedModel`` for the entry point and ``layout.py`` for the vocabulary.
+"""
+
+from lightning_zero.engine.comm import Comm, CommStats
+from lightning_zero.engine.grouping import module_class_policy, owns_parameters, plan_units
+from lightning_zero.engine.layout import ParamShard, ShardLayout, ShardRange
+from lightning_zero.engine.optimizer import UnsupportedOptimizerError, check_elementwise
+from lightning_zero.engine.sharded_model import ShardedModel
+from lightning_zero.engine.unit import ShardedUnit, UnitState
+
+__all__ = [
+    "Comm",
+    "CommStats",
+    "ParamShard",
+    "ShardLayout",
+    "ShardRange",
+    "ShardedModel",
+    "ShardedUnit",
+    "UnitState",
+    "UnsupportedOptimizerError",
+    "check_elementwise",
+    "module_class_policy",
+    "owns_parameters",
+    "plan_units",
+]

@@ -1,0 +1,116 @@
+"""The collectives the engine uses, with byte and time accounting.
+
+Every call into ``torch.distributed`` made by the engine goes through ``Comm``, so that:
+
+- backend differences and renamed APIs are handled in one place (torch 2.13 deprecates
+  ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` in favour of ``all_gather_single`` /
+  ``reduce_scatter_single``; older releases only have the former);
+- the bytes each rank sends are counted with the ring model that the ZeRO paper's 2Ψ / 3Ψ
+  figures assume: all-gather and reduce-scatter send ``(N - 1) / N`` of the full buffer, an
+  all-reduce twice that, a broadcast the whole buffer from its source only.
+
+A world of one process never calls ``torch.distributed`` at all.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CollectiveStats:
+    """Calls, bytes sent by this rank and seconds spent, for one kind of collective."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Per-kind accounting; ``reset()`` between steps to read per-step figures."""
+
+    by_kind: dict[str, CollectiveStats] = field(default_factory=lambda: defaultdict(CollectiveStats))
+
+    def record(self, kind: str, bytes_sent: int, seconds: float) -> None:
+        entry = self.by_kind[kind]
+        entry.calls += 1
+        entry.bytes_sent += bytes_sent
+        entry.seconds += seconds
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(s.bytes_sent for s in self.by_kind.values())
+
+    def calls(self, kind: str) -> int:
+        return self.by_kind[kind].calls if kind in self.by_kind else 0
+
+    def reset(self) -> None:
+        self.by_kind.clear()
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {
+            k: {"calls": v.calls, "bytes_sent": v.bytes_sent, "seconds": v.seconds} for k, v in self.by_kind.items()
+        }
+
+
+class Comm:
+    """Collectives over one process group, counted in ``stats``.
+
+    Example::
+
+        comm = Comm(group=None)             # the default process group (or a world of 1)
+        comm.all_gather(full, shard)        # full.numel() == shard.numel() * comm.world_size
+        comm.reduce_scatter(shard, full)    # sum over ranks
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
+        initialized = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size(group) if initialized else 1
+        self.rank = dist.get_rank(group) if initialized else 0
+        self.stats = CommStats()
+
+    def _timed(self, kind: str, bytes_sent: int, fn, *args, **kwargs) -> None:
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        self.stats.record(kind, bytes_sent, time.perf_counter() - start)
+
+    def _ring_bytes(self, tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size() * (self.world_size - 1) // self.world_size
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+        """Concatenate every rank's ``shard`` into ``output`` (``shard`` may alias its own chunk)."""
+        if self.world_size == 1:
+            if output.data_ptr() != shard.data_ptr():
+                output.copy_(shard)
+            return
+        self._timed("all_gather", self._ring_bytes(output), _all_gather_single, output, shard, group=self.group)
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """Sum ``full`` over ranks and keep this rank's chunk in ``shard``."""
+        if self.world_size == 1:
+            shard.copy_(full)
+            return
+        self._timed("reduce_scatter", self._ring_bytes(full), _reduce_scatter_single, shard, full, group=self.group)
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        if self.world_size == 1:
+            return
+        self._timed("all_reduce", 2 * self._ring_bytes(tensor), dist.all_reduce, tensor, op=op, group=self.group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast from group rank ``src``."""
+        if self.world_size == 1:
+            return
+        sent = tensor.numel() * tensor.element_size() if self.rank == src else 0
+        global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+        self._timed("broadcast", sent, dist.broadcast, tensor, src=global_src, group=self.group)

@@ -1,0 +1,127 @@
+"""The user's own optimizer, stepping this rank's shards.
+
+``bind_optimizer`` swaps each parameter in the optimizer's ``param_groups`` for its
+``shard_param`` (see [Note: unit memory] in ``unit.py``) and slices any state the optimizer
+already holds. Everything else stays as the user made it: the class, the param groups and their
+hyper-parameters (so LR schedulers work), and a per-parameter ``state_dict()``.
+
+This is exact only for optimizers whose update of an element depends on that element alone
+(SGD, Adam, AdamW, RMSprop, Adagrad, ...). ``check_elementwise`` refuses the ones known not to
+be, and probes any other class by stepping it once on a whole tensor and once on two halves.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.engine.layout import ParamShard
+
+ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.ASGD,
+    torch.optim.Rprop,
+)
+_NOT_ELEMENTWISE_NAMES = {"LBFGS", "Adafactor", "Muon", "SparseAdam", "LAMB", "Lamb", "LARS", "Shampoo"}
+
+
+class UnsupportedOptimizerError(TypeError):
+    """The optimizer's update is not element-wise, so stepping shards would change the result."""
+
+
+def _unsupported(optimizer: Optimizer, why: str) -> UnsupportedOptimizerError:
+    name = type(optimizer).__name__
+    return UnsupportedOptimizerError(
+        f"{name} cannot run on ZeRO shards: {why}. ZeRO steps each rank's slice of every parameter on its own, "
+        "which is exact only for element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...). "
+        f"Use one of those, or train with DDPStrategy / FSDP if you need {name}."
+    )
+
+
+def check_elementwise(optimizer: Optimizer) -> None:
+    """Raise ``UnsupportedOptimizerError`` unless ``optimizer`` updates each element independently."""
+    if type(optimizer) in ELEMENTWISE:
+        return
+    if type(optimizer).__name__ in _NOT_ELEMENTWISE_NAMES:
+        raise _unsupported(optimizer, "its update uses whole-tensor quantities (norms, factors or a line search)")
+    _probe_elementwise(optimizer)
+
+
+def _probe_elementwise(optimizer: Optimizer) -> None:
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params" and k in accepted}
+    generator = torch.Generator().manual_seed(0)
+    whole = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    grads = [torch.randn(4, 6, generator=generator, dtype=torch.float64) for _ in range(3)]
+    try:
+        full = nn.Parameter(whole.clone())
+        halves = [nn.Parameter(whole.reshape(-1)[:9].clone()), nn.Parameter(whole.reshape(-1)[9:].clone())]
+        opt_full = type(optimizer)([full], **copy.deepcopy(hyper))
+        opt_halves = type(optimizer)(halves, **copy.deepcopy(hyper))
+        for grad in grads:
+            full.grad = grad.clone()
+            halves[0].grad, halves[1].grad = grad.reshape(-1)[:9].clone(), grad.reshape(-1)[9:].clone()
+            opt_full.step()
+            opt_halves.step()
+    except Exception as err:
+        raise _unsupported(optimizer, f"it could not be checked for element-wise updates ({err!r})") from err
+    if not torch.allclose(full.detach().reshape(-1), torch.cat([h.detach() for h in halves]), rtol=1e-12, atol=0):
+        raise _unsupported(optimizer, "stepping a tensor whole and in two slices gives different results")
+
+
+def bind_optimizer(optimizer: Optimizer, shards: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]]) -> None:
+    """Make ``optimizer`` step shard parameters instead of the module's parameters (in place).
+
+    ``shards`` maps each module parameter to its shard parameter and the ``ParamShard`` saying
+    which slice of the flattened parameter it holds.
+    """
+    check_elementwise(optimizer)
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        new_params = []
+        for param in group["params"]:
+            if param not in shards:
+                raise ValueError(
+                    f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that is not a "
+                    "parameter of the LightningModule. configure_optimizers must only use self.parameters()."
+                )
+            if id(param) in seen:
+                raise ValueError(
+                    f"a parameter of shape {tuple(param.shape)} appears twice in {type(optimizer).__name__}"
+                )
+            seen.add(id(param))
+            new_params.append(shards[param][0])
+        group["params"] = new_params
+    old_state = optimizer.state
+    optimizer.state = defaultdict(dict)
+    for param, state in old_state.items():
+        shard_param, piece = shards[param]
+        optimizer.state[shard_param] = {k: slice_state(k, v, param, piece) for k, v in state.items()}
+
+
+def is_param_shaped(key: str, value: object, param: torch.Tensor) -> bool:
+    """Whether an optimizer state entry holds one value per parameter element (``exp_avg``) rather
+    than a scalar (``step``); for 0-dim parameters only the key can tell."""
+    return isinstance(value, torch.Tensor) and value.shape == param.shape and (param.dim() > 0 or key != "step")
+
+
+def slice_state(key: str, value: object, param: torch.Tensor, piece: ParamShard) -> object:
+    """This rank's slice of one optimizer state entry: per-element entries are flattened and sliced,
+    anything else (``step`` counters, scalars) is kept whole."""
+    if is_param_shaped(key, value, param):
+        assert isinstance(value, torch.Tensor)
+        return value.detach().reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone()
+    return value

@@ -1,0 +1,294 @@
+"""``ShardedModel``: a module's parameters, gradients and optimizer states sharded over ranks.
+
+This is the engine's one entry point; the Lightning strategies drive it and nothing else.
+It ties together the units (``unit.py``), gradient reduction (``grads.py``), stage-3 hooks
+(``stage3.py``) and the user's optimizers (``optimizer.py``). Pure torch: no Lightning here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_zero.engine.comm import Comm
+from lightning_zero.engine.grads import GradReducer
+from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, owns_parameters, plan_units
+from lightning_zero.engine.layout import ParamShard
+from lightning_zero.engine.optimizer import bind_optimizer, is_param_shaped, slice_state
+from lightning_zero.engine.stage3 import Stage3Hooks
+from lightning_zero.engine.unit import ShardedUnit
+
+STAGES = (1, 2, 3)
+
+
+class ShardedModel:
+    """Shard ``module`` over the ranks of ``comm`` (ZeRO ``stage`` 1, 2 or 3), in place.
+
+    Example::
+
+        comm = Comm()                                     # after torch.distributed.init_process_group
+        sharded = ShardedModel(model, stage=3, comm=comm)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sharded.bind_optimizer(optimizer)                 # now steps this rank's shards
+        with sharded.step_context():
+            model(x).sum().backward()                     # gathers, reduce-scatters, frees
+        optimizer.step()
+        sharded.after_optimizer_step(optimizer)
+        optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        comm: Comm,
+        policy: UnitPolicy = owns_parameters,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        plans = plan_units(module, policy)
+        if not plans:
+            raise ValueError(
+                f"{type(module).__name__} has no parameters, so there is nothing to shard. Create the layers in "
+                "__init__ or configure_model(), or use a strategy without sharding for a parameter-free model."
+            )
+        self.module = module
+        self.stage = stage
+        self.comm = comm
+        self.broadcast_buffers = broadcast_buffers
+        self.units = [
+            ShardedUnit(p.name, p.module, p.params, p.param_names, comm, reshard_after_forward=stage == 3)
+            for p in plans
+        ]
+        self.root_unit = next((u for u in self.units if u.name == ROOT_NAME), None)
+        self._shard_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}
+        self._param_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}
+        self._unit_of: dict[nn.Parameter, ShardedUnit] = {}
+        for unit in self.units:
+            for param, shard_param, piece in zip(unit.params, unit.shard_params, unit.param_shards):
+                self._shard_of[param] = (shard_param, piece)
+                self._param_of[shard_param] = (param, piece)
+                self._unit_of[shard_param] = unit
+        self._sync_buffers()
+
+        self.stage3: Stage3Hooks | None = None
+        self.reducer = GradReducer(self.units, reduce_in_backward=stage >= 2)
+        if stage == 3:
+            hooked = [u for u in self.units if u is not self.root_unit]
+            self.stage3 = Stage3Hooks(hooked, self.reducer.queue_finish)
+            self.reducer.after_unit_reduced = self.stage3.after_unit_reduced
+            self.reducer.after_backward = self.stage3.after_backward
+            self.stage3.install()
+        self.reducer.install()
+        self.optimizers: list[Optimizer] = []
+
+    # ------------------------------------------------------------------ steps
+    @contextmanager
+    def step_context(self) -> Iterator[None]:
+        """Around one step of user code (forward, and backward for training): buffers as rank 0's,
+        and the root unit gathered for the whole step under stage 3."""
+        self.begin_step()
+        try:
+            yield
+        finally:
+            self.end_step()
+
+    def begin_step(self) -> None:
+        self._sync_buffers()
+        if self.root_unit is not None:
+            self.root_unit.unshard()
+
+    def end_step(self) -> None:
+        if self.root_unit is not None:
+            self.root_unit.reshard()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction in backward (stage 1 accumulates full gradients locally)."""
+        with self.reducer.no_sync():
+            yield
+
+    def _sync_buffers(self) -> None:
+        """Broadcast rank 0's buffers (one collective per dtype), as DDP's ``broadcast_buffers``."""
+        buffers = [b for b in self.module.buffers() if b is not None]
+        if not self.broadcast_buffers or not buffers or self.comm.world_size == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for buf in buffers:
+            by_dtype.setdefault(buf.dtype, []).append(buf)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([b.reshape(-1) for b in group])
+                self.comm.broadcast(flat, src=0)
+                torch._foreach_copy_(
+                    group, [v.view_as(b) for v, b in zip(flat.split([b.numel() for b in group]), group)]
+                )
+
+    # ------------------------------------------------------------------ optimizers
+    def bind_optimizer(self, optimizer: Optimizer) -> None:
+        """Let ``optimizer`` (built over the module's parameters) step this rank's shards instead."""
+        bind_optimizer(optimizer, self._shard_of)
+        self.optimizers.append(optimizer)
+
+    def units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
+        stepped = {id(self._unit_of[p]) for g in optimizer.param_groups for p in g["params"]}
+        return [u for u in self.units if id(u) in stepped]
+
+    def after_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Spread the updated shards of ``optimizer``'s units to every rank (one all-gather per unit)."""
+        for unit in self.units_of(optimizer):
+            unit.gather_updated_shards()
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip ``optimizer``'s sharded gradients by their global norm; return that norm (same on all ranks)."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        device = self.units[0].device
+        norm_type = float(norm_type)
+        if norm_type == float("inf"):
+            local = (
+                torch.stack([g.abs().max() for g in grads if g.numel()]).max()
+                if any(g.numel() for g in grads)
+                else None
+            )
+            total = (local if local is not None else torch.zeros((), device=device)).float()
+            self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+        else:
+            powers = [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
+            total = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
+            self.comm.all_reduce(total)
+            total = total ** (1.0 / norm_type)
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+        return total
+
+    # ------------------------------------------------------------------ state dicts
+    @contextmanager
+    def _gathered(self, unit: ShardedUnit) -> Iterator[None]:
+        was_unsharded = unit.is_unsharded
+        unit.unshard()
+        try:
+            yield
+        finally:
+            if not was_unsharded:
+                unit.reshard()
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's full (unsharded) state dict, as DDP would return it; one unit gathered at a time."""
+        state = self.module.state_dict(keep_vars=True)
+        keys_of: dict[int, list[str]] = {}
+        for key, value in state.items():
+            keys_of.setdefault(id(value), []).append(key)
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor):
+                state[key] = value.detach()
+        for unit in self.units:
+            with self._gathered(unit):
+                for param in unit.params:
+                    copy = param.detach().clone()
+                    for key in keys_of.get(id(param), []):
+                        state[key] = copy
+        return state
+
+    def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load a full state dict (any world size, any stage) into the shards."""
+        missing = [u for u in self.units if not u.is_unsharded]
+        for unit in missing:
+            unit.unshard()
+        try:
+            self.module.load_state_dict(state_dict, strict=strict)
+            for unit in self.units:
+                unit.load_full_flat(unit.flat)
+        finally:
+            for unit in missing:
+                unit.reshard()
+
+    def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()`` as if it had stepped full parameters (what DDP would save)."""
+        state_dict = optimizer.state_dict()
+        index_of = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+        for unit in self.units_of(optimizer):
+            entries = [(index_of[sp], i) for i, sp in enumerate(unit.shard_params) if sp in index_of]
+            keys = sorted(
+                {
+                    key
+                    for idx, i in entries
+                    for key, value in state_dict["state"].get(idx, {}).items()
+                    if is_param_shaped(key, value, unit.shard_params[i])
+                }
+            )
+            for key in keys:
+                full = self._gather_state(unit, entries, state_dict["state"], key)
+                for idx, i in entries:
+                    if key in state_dict["state"].get(idx, {}):
+                        offset, numel = unit.layout.offsets[i], unit.layout.numels[i]
+                        state_dict["state"][idx][key] = full[offset : offset + numel].view(unit.params[i].shape).clone()
+        return state_dict
+
+    def _gather_state(self, unit: ShardedUnit, entries: list[tuple[int, int]], state: dict, key: str) -> torch.Tensor:
+        sample = next(state[idx][key] for idx, _ in entries if key in state.get(idx, {}))
+        shard = torch.zeros(unit.layout.shard_numel, dtype=sample.dtype, device=unit.device)
+        for idx, i in entries:
+            value = state.get(idx, {}).get(key)
+            if value is not None:
+                piece = unit.param_shards[i]
+                shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(value)
+        full = torch.empty(unit.layout.padded_numel, dtype=sample.dtype, device=unit.device)
+        self.comm.all_gather(full, shard)
+        return full
+
+    def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+        """Load a full (DDP-shaped) optimizer state dict into ``optimizer``'s shards."""
+        shard_params = [p for g in optimizer.param_groups for p in g["params"]]
+        sliced = {"param_groups": state_dict["param_groups"], "state": {}}
+        for idx, entry in state_dict["state"].items():
+            if not 0 <= int(idx) < len(shard_params):
+                raise ValueError(
+                    f"optimizer state has an entry for parameter {idx}, but the optimizer has "
+                    f"{len(shard_params)} parameters: the checkpoint is from another model"
+                )
+            param, piece = self._param_of[shard_params[int(idx)]]
+            sliced["state"][idx] = {k: slice_state(k, v, param, piece) for k, v in entry.items()}
+        optimizer.load_state_dict(sliced)
+
+    # ------------------------------------------------------------------ lifecycle and accounting
+    def release(self) -> None:
+        """Remove every hook and give the parameters their own full storage: a plain module again."""
+        self.reducer.remove()
+        if self.stage3 is not None:
+            self.stage3.remove()
+        for unit in self.units:
+            unit.release()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of model state this rank holds now: parameters (persistent), gathered parameters
+        (stage 3, transient), sharded gradients and optimizer states."""
+        params = sum(u.persistent_param_bytes() for u in self.units)
+        gathered = sum(
+            u.layout.padded_numel * u.flat.element_size()
+            for u in self.units
+            if u.reshard_after_forward and u.is_unsharded
+        )
+        grads = _storage_bytes(p.grad for u in self.units for p in u.shard_params if p.grad is not None)
+        states = _storage_bytes(
+            v
+            for opt in self.optimizers
+            for s in opt.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        return {"params": params, "gathered_params": gathered, "grads": grads, "optimizer_states": states}
+
+
+def _storage_bytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
