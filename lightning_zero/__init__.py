@@ -1,1 +1,21 @@
-"""ZeRO stages 1, 2 and 3 as PyTorch Lightning strategies."""
+"""ZeRO stages 1, 2 and 3 (sharded optimizer states, gradients, parameters) as Lightning strategies.
+
+Example::
+
+    import lightning as L
+    import lightning_zero  # registers "zero1", "zero2" and "zero3"
+
+    trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2)
+    trainer.fit(model)
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
+
+__version__ = "0.1.0"
+__all__ = ["ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "ZeROPrecision", "ZeROStrategy", "__version__"]
+
+for _strategy, _name in ((ZeRO1Strategy, "zero1"), (ZeRO2Strategy, "zero2"), (ZeRO3Strategy, "zero3")):
+    if _name not in StrategyRegistry:  # a re-import must not register twice
+        _strategy.register_strategies(StrategyRegistry)

@@ -76,15 +76,18 @@ def spawn(fn: Callable[..., Any], world_size: int = 2, timeout: float = 300.0, *
             while len(values) < world_size:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"{fn.__name__}: ranks {sorted(set(range(world_size)) - set(values))} "
-                                       f"did not finish within {timeout:.0f}s (deadlock?)")
+                    raise TimeoutError(
+                        f"{fn.__name__}: ranks {sorted(set(range(world_size)) - set(values))} "
+                        f"did not finish within {timeout:.0f}s (deadlock?)"
+                    )
                 try:
                     rank, status, value = results.get(timeout=min(remaining, 1.0))
                 except queue.Empty:
                     dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
                     if dead:
-                        raise RuntimeError(f"{fn.__name__}: rank {dead[0]} died with exit code "
-                                           f"{procs[dead[0]].exitcode}") from None
+                        raise RuntimeError(
+                            f"{fn.__name__}: rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                        ) from None
                     continue
                 if status == "error":
                     raise RuntimeError(f"{fn.__name__} failed on rank {rank}:\n{value}")

@@ -1,0 +1,388 @@
+"""``ZeROStrategy``: the Lightning glue shared by the three stages.
+
+Lightning owns processes (its launchers and cluster environments, exactly as for
+``DDPStrategy``), the loops, logging and checkpoint files; the engine
+(``lightning_zero.engine.ShardedModel``) owns parameters, gradients and optimizer states. This
+class connects the two at the hooks Lightning offers: ``setup`` shards the module and binds the
+optimizers, the ``*_step`` hooks bracket user code so stage 3 can hold the root unit,
+``optimizer_step`` spreads updated shards, ``block_backward_sync`` defers stage-1 reduction, and
+the state-dict hooks convert between shards and the full, DDP-shaped state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, ClassVar, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_zero.engine import Comm, ShardedModel, module_class_policy, owns_parameters
+from lightning_zero.strategies.precision import ZeROPrecision
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+class ZeROStrategy(ParallelStrategy):
+    """Shared base of ``ZeRO1Strategy``, ``ZeRO2Strategy`` and ``ZeRO3Strategy``; use those.
+
+    Args:
+        unit_modules: Which modules form a *unit*, the parameters gathered and reduced together
+            (one collective each): module classes, or class names as strings (``"Block"`` or
+            ``"my_pkg.model.Block"``). ``None`` (default): every module that owns parameters
+            directly. Stage 3 holds one gathered unit at a time, so transformer blocks are a
+            good choice for large models. The ``LightningModule`` itself is always a unit.
+        broadcast_buffers: Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before
+            each training step, as ``DDPStrategy`` does by default.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ... Default: NCCL on CUDA, gloo on CPU.
+        timeout: How long a collective may wait for the other ranks before failing.
+        start_method: How Lightning starts processes when it launches them itself: ``"popen"``
+            (re-runs the script, the default, as for ``DDPStrategy``), ``"spawn"``, ``"fork"``
+            or ``"forkserver"``.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            As for any Lightning ``ParallelStrategy``; normally left to the ``Trainer``.
+    """
+
+    stage: ClassVar[int]
+
+    def __init__(
+        self,
+        unit_modules: Sequence[type[Module] | str] | None = None,
+        broadcast_buffers: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        _validate_options(unit_modules, broadcast_buffers, process_group_backend, timeout, start_method)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.unit_modules = None if unit_modules is None else list(unit_modules)
+        self.broadcast_buffers = broadcast_buffers
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._num_nodes = 1
+        self._sharded: ShardedModel | None = None
+
+    # ------------------------------------------------------------------ processes
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to give each rank its own part of the data (a ``DistributedSampler``)."""
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ------------------------------------------------------------------ precision
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        assert self._precision_plugin is not None
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        if plugin is None or type(plugin) is Precision:
+            plugin = ZeROPrecision()
+        if not isinstance(plugin, ZeROPrecision):
+            raise ValueError(
+                f"{type(self).__name__} supports precision='32-true' in this release; got the plugin "
+                f"{type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r}). "
+                "Pass Trainer(precision='32-true') or leave precision unset."
+            )
+        self._precision_plugin = plugin
+
+    # ------------------------------------------------------------------ setup and teardown
+    @property
+    def sharded_model(self) -> ShardedModel:
+        """The engine that holds this run's shards (available after setup)."""
+        if self._sharded is None:
+            raise RuntimeError(f"{type(self).__name__} has not been set up yet: call trainer.fit/validate/... first")
+        return self._sharded
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        assert self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        policy = owns_parameters if self.unit_modules is None else module_class_policy(self.unit_modules)
+        self._sharded = ShardedModel(
+            self.model, stage=self.stage, comm=Comm(), policy=policy, broadcast_buffers=self.broadcast_buffers
+        )
+        assert isinstance(self.precision_plugin, ZeROPrecision)
+        self.precision_plugin.sharded_model = self._sharded
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._reset_optimizers_and_schedulers()
+            self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                self._sharded.bind_optimizer(_unwrap(optimizer))
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def teardown(self) -> None:
+        if self._sharded is not None:
+            self._sharded.release()
+            self._sharded = None
+        if isinstance(self._precision_plugin, ZeROPrecision):
+            self._precision_plugin.sharded_model = None
+        super().teardown()
+
+    # ------------------------------------------------------------------ steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self.sharded_model.begin_step()
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            assert self.lightning_module is not None
+            if not self.lightning_module.automatic_optimization:
+                self.sharded_model.end_step()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._eval_step():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self._eval_step():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._eval_step():
+            return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _eval_step(self) -> Generator[None, None, None]:
+        root = self.sharded_model.root_unit
+        was_gathered = root is not None and root.is_unsharded
+        if root is not None:
+            root.unshard()
+        try:
+            yield
+        finally:
+            if root is not None and not was_gathered:
+                root.reshard()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Any,
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self.lightning_module is not None
+        if self.lightning_module.automatic_optimization:
+            self.sharded_model.end_step()
+        self.sharded_model.after_optimizer_step(_unwrap(optimizer))
+        return output
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        with self.sharded_model.no_sync():
+            yield
+
+    def grad_norm(self, optimizer: Optimizer | None = None, norm_type: float = 2.0) -> Tensor:
+        """The global norm of the current (sharded) gradients; call it on every rank.
+
+        Lightning's ``grad_norm`` utility reads ``param.grad`` of the module, which ZeRO frees; use
+        this instead, e.g. in ``on_before_optimizer_step``::
+
+            self.log("grad_norm", self.trainer.strategy.grad_norm())
+        """
+        optimizers = [_unwrap(optimizer)] if optimizer is not None else [_unwrap(o) for o in self.optimizers]
+        norms = [self.sharded_model.clip_grad_norm_(o, float("inf"), norm_type) for o in optimizers]
+        if len(norms) == 1:
+            return norms[0]
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+    # ------------------------------------------------------------------ state
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full, unsharded state dict (as ``DDPStrategy`` returns it); a collective: call on all ranks."""
+        if self._sharded is None:
+            return super().lightning_module_state_dict()
+        return self._sharded.full_state_dict()
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._sharded is None:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        self._sharded.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full, per-parameter optimizer state (what ``DDPStrategy`` saves); call on all ranks."""
+        return self.sharded_model.full_optimizer_state_dict(_unwrap(optimizer))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            self.sharded_model.load_full_optimizer_state_dict(_unwrap(optimizer), state)
+
+    # ------------------------------------------------------------------ collectives for Lightning
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+
+def _unwrap(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _validate_options(unit_modules: Any, broadcast_buffers: Any, backend: Any, timeout: Any, start_method: Any) -> None:
+    if unit_modules is not None:
+        if isinstance(unit_modules, (str, type)) or not isinstance(unit_modules, Sequence):
+            raise TypeError(
+                f"unit_modules must be a list of module classes or class names, got {unit_modules!r}; "
+                "for example unit_modules=[Block] or unit_modules=['Block']"
+            )
+        for entry in unit_modules:
+            if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, Module))):
+                raise TypeError(f"unit_modules entries must be nn.Module subclasses or class names, got {entry!r}")
+    if not isinstance(broadcast_buffers, bool):
+        raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+    if backend is not None and (not isinstance(backend, str) or not _valid_backend(backend)):
+        raise ValueError(
+            f"process_group_backend={backend!r} is not a torch.distributed backend; use one of {_BACKENDS} "
+            "(or a device map such as 'cpu:gloo,cuda:nccl'), or leave it unset"
+        )
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    if start_method not in _START_METHODS:
+        raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
+
+
+def _valid_backend(backend: str) -> bool:
+    parts = [p.split(":")[-1] for p in backend.split(",")]
+    return all(p in _BACKENDS for p in parts)
