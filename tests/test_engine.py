@@ -1,0 +1,263 @@
+"""The engine on its own (no Lightning): parity with DDP, collectives, memory, optimizer checks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_zero.engine import Comm, ShardedModel, UnsupportedOptimizerError, check_elementwise
+from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
+from tests.distributed import spawn
+
+
+class TiedNet(nn.Module):
+    """A root-level parameter, a weight tied across submodules, and a block called twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) * self.scale
+        for _ in range(2):
+            h = h + self.down(torch.relu(self.up(h)))
+        return self.head(h)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _parity(rank: int, world_size: int) -> None:
+    for stage in (1, 2, 3):
+        for kind in ("sgd", "adamw"):
+            torch.manual_seed(0)
+            reference = TiedNet()
+            model = copy.deepcopy(reference)
+            ddp = DistributedDataParallel(reference)
+            ref_opt = _optimizer(kind, ddp.parameters())
+            sharded = ShardedModel(model, stage=stage, comm=Comm())
+            opt = _optimizer(kind, model.parameters())
+            sharded.bind_optimizer(opt)
+            data = torch.Generator().manual_seed(rank)
+            for _ in range(4):
+                x, y = torch.randint(0, 11, (4, 5), generator=data), torch.randint(0, 11, (4, 5), generator=data)
+                ref_loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+                ref_opt.zero_grad()
+                ref_loss.backward()
+                ref_opt.step()
+                with sharded.step_context():
+                    loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                    opt.zero_grad()
+                    loss.backward()
+                opt.step()
+                sharded.after_optimizer_step(opt)
+                # Two ranks: dividing by 2 is exact and a sum of two is order-free, so bitwise equal.
+                assert loss.item() == ref_loss.item(), (stage, kind)
+            full = sharded.full_state_dict()
+            for key, value in reference.state_dict().items():
+                assert torch.equal(full[key], value), (stage, kind, key)
+            full_opt = sharded.full_optimizer_state_dict(opt)
+            ref_state = ref_opt.state_dict()
+            assert full_opt["param_groups"] == ref_state["param_groups"]
+            for index, state in ref_state["state"].items():
+                for key, value in state.items():
+                    assert torch.equal(full_opt["state"][index][key], value), (stage, kind, index, key)
+            sharded.release()
+            assert all(p.grad is None for p in model.parameters())
+
+
+def test_engine_matches_ddp_bitwise_on_two_ranks() -> None:
+    spawn(_parity, world_size=2)
+
+
+def _comm_and_memory(rank: int, world_size: int) -> None:
+    for stage in (1, 2, 3):
+        _check_comm_and_memory(stage, world_size)
+
+
+def _check_comm_and_memory(stage: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = _mlp()
+    sharded = ShardedModel(model, stage=stage, comm=Comm())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sharded.bind_optimizer(opt)
+    units = sharded.units
+    numel = sum(p.numel() for p in model.parameters())
+    padded = sum(u.layout.padded_numel for u in units)
+    x = torch.randn(4, 16, requires_grad=True)
+
+    seen_gathered: list[set[str]] = []
+    if stage == 3:
+        for unit in units:
+            unit.module.register_forward_pre_hook(
+                lambda *_: seen_gathered.append({u.name for u in units if u.is_unsharded})
+            )
+    last = units[-1]
+    during_backward: dict[str, list] = {}
+
+    def record_last_grads(_grad: torch.Tensor) -> None:
+        during_backward["last_grads"] = [p.grad for p in last.params]
+
+    x.register_hook(record_last_grads)
+
+    sharded.comm.stats.reset()
+    with sharded.step_context():
+        model(x).square().mean().backward()
+    opt.step()
+    sharded.after_optimizer_step(opt)
+    stats = sharded.comm.stats
+
+    # Communication: one collective per unit and direction, never one per tensor.
+    gathers = (2 if stage == 3 else 1) * len(units)
+    assert stats.calls("all_gather") == gathers, stage
+    assert stats.calls("reduce_scatter") == len(units), stage
+    assert stats.calls("all_reduce") == 1  # which parameters got a gradient (tiny)
+    ring = (world_size - 1) / world_size
+    assert stats.by_kind["reduce_scatter"].bytes_sent == padded * 4 * ring
+    assert stats.by_kind["all_gather"].bytes_sent == (2 if stage == 3 else 1) * padded * 4 * ring
+    sent = stats.by_kind["reduce_scatter"].bytes_sent + stats.by_kind["all_gather"].bytes_sent
+    theory = theory_comm_bytes(stage, numel, world_size)
+    assert theory <= sent <= theory * padded / numel
+
+    # Memory: storage sizes after the step, against the theory table (padding allowed).
+    mem = sharded.memory_stats()
+    shard_numel = sum(u.layout.shard_numel for u in units)
+    assert mem["params"] == (padded if stage < 3 else shard_numel) * 4
+    assert mem["gathered_params"] == 0
+    assert mem["grads"] == shard_numel * 4
+    assert mem["optimizer_states"] == 2 * 4 * sum(p.numel() for p in opt.param_groups[0]["params"])
+    expected = theory_bytes(stage, numel, world_size)
+    assert expected.params <= mem["params"] <= expected.params + 4 * world_size * len(units)
+    assert expected.optimizer_states <= mem["optimizer_states"] + 8 * world_size * len(units)
+    assert all(p.grad is None for p in model.parameters())  # full gradients are never kept
+    if stage == 3:
+        assert all(u.flat.untyped_storage().nbytes() == 0 for u in units)
+        # Just in time: while a unit runs forward, it is the only one gathered.
+        assert seen_gathered == [{u.name} for u in units]
+    # Stage 2 and 3 free the last unit's full gradients while backward is still running.
+    still_there = [g is not None for g in during_backward["last_grads"]]
+    assert all(still_there) if stage == 1 else not any(still_there), stage
+    sharded.release()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_and_memory_match_theory(world_size: int) -> None:
+    spawn(_comm_and_memory, world_size=world_size)
+
+
+def _four_ranks(rank: int, world_size: int) -> None:
+    for stage in (1, 3):
+        torch.manual_seed(0)
+        reference = TiedNet()
+        model = copy.deepcopy(reference)
+        ddp = DistributedDataParallel(reference)
+        ref_opt = _optimizer("sgd", ddp.parameters())
+        sharded = ShardedModel(model, stage=stage, comm=Comm())
+        opt = _optimizer("sgd", model.parameters())
+        sharded.bind_optimizer(opt)
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x, y = torch.randint(0, 11, (2, 5), generator=data), torch.randint(0, 11, (2, 5), generator=data)
+            for net, o, ctx in ((ddp, ref_opt, None), (model, opt, sharded)):
+                o.zero_grad()
+                if ctx is None:
+                    nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+                else:
+                    with ctx.step_context():
+                        nn.functional.cross_entropy(net(x).flatten(0, 1), y.flatten()).backward()
+                o.step()
+            sharded.after_optimizer_step(opt)
+        full = sharded.full_state_dict()
+        for key, value in reference.state_dict().items():
+            # Four ranks: summation order differs from DDP's all-reduce, so a tight tolerance.
+            torch.testing.assert_close(full[key], value, rtol=1e-6, atol=1e-7)
+        sharded.release()
+
+
+def test_four_ranks_match_ddp_within_tolerance() -> None:
+    spawn(_four_ranks, world_size=4)
+
+
+class _NormalizedSGD(torch.optim.Optimizer):
+    """Not element-wise: each step divides by the whole tensor's norm."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-12), alpha=-group["lr"])
+
+
+class _PlainSGD(torch.optim.Optimizer):
+    """Element-wise, but unknown to the engine: the probe must accept it."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_optimizer_check_refuses_non_elementwise_and_accepts_elementwise() -> None:
+    params = [nn.Parameter(torch.ones(3))]
+    with pytest.raises(UnsupportedOptimizerError, match="LBFGS cannot run on ZeRO shards"):
+        check_elementwise(torch.optim.LBFGS(params))
+    with pytest.raises(UnsupportedOptimizerError, match=r"_NormalizedSGD.*two slices"):
+        check_elementwise(_NormalizedSGD(params))
+    check_elementwise(_PlainSGD(params))
+    check_elementwise(torch.optim.Adam(params))
+
+
+def test_world_of_one_without_process_group() -> None:
+    torch.manual_seed(0)
+    model, reference = _mlp(), None
+    reference = copy.deepcopy(model)
+    sharded = ShardedModel(model, stage=3, comm=Comm())
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
+    sharded.bind_optimizer(opt)
+    x = torch.randn(4, 16)
+    with sharded.step_context():
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    opt.step()
+    ref_opt.step()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(sharded.full_state_dict()[key], value)
+
+
+def test_model_without_parameters_is_refused() -> None:
+    with pytest.raises(ValueError, match="has no parameters"):
+        ShardedModel(nn.ReLU(), stage=1, comm=Comm())
+    with pytest.raises(ValueError, match="stage must be one of"):
+        ShardedModel(_mlp(), stage=4, comm=Comm())
+
+
+def test_unit_with_mixed_dtypes_is_refused() -> None:
+    model = nn.Linear(2, 2)
+    model.bias.data = model.bias.data.double()
+    with pytest.raises(ValueError, match="mixes dtypes"):
+        ShardedModel(model, stage=2, comm=Comm())
