@@ -261,3 +261,34 @@ def test_unit_with_mixed_dtypes_is_refused() -> None:
     model.bias.data = model.bias.data.double()
     with pytest.raises(ValueError, match="mixes dtypes"):
         ShardedModel(model, stage=2, comm=Comm())
+
+
+def test_engine_imports_no_lightning() -> None:
+    import ast
+    from pathlib import Path
+
+    engine = Path(__file__).resolve().parents[1] / "lightning_zero" / "engine"
+    files = sorted(engine.glob("*.py"))
+    assert len(files) >= 8
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                roots = [(node.module or "").split(".")[0]]
+            else:
+                continue
+            assert not {"lightning", "pytorch_lightning"} & set(roots), f"{path.name} imports {roots}"
+
+
+def test_frozen_parameters_get_no_gradient_and_no_optimizer_state() -> None:
+    model = _mlp()
+    model[0].requires_grad_(False)
+    sharded = ShardedModel(model, stage=2, comm=Comm())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    sharded.bind_optimizer(opt)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    frozen = sharded.units[0].shard_params
+    assert all(p.grad is None and p not in opt.state for p in frozen)
+    assert all(p.grad is not None and p in opt.state for u in sharded.units[1:] for p in u.shard_params)

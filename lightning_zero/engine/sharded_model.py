@@ -7,6 +7,7 @@ It ties together the units (``unit.py``), gradient reduction (``grads.py``), sta
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -258,13 +259,30 @@ class ShardedModel:
         optimizer.load_state_dict(sliced)
 
     # ------------------------------------------------------------------ lifecycle and accounting
-    def release(self) -> None:
-        """Remove every hook and give the parameters their own full storage: a plain module again."""
+    def release(self, gather: bool = True) -> None:
+        """Remove every hook and make the module and its optimizers plain again: each parameter with
+        its own full storage, each optimizer over the module's parameters with full per-parameter
+        state (collectives: call on every rank). ``gather=False`` (after a failure on some rank,
+        when collectives could hang) only removes the hooks; the module stays sharded."""
         self.reducer.remove()
         if self.stage3 is not None:
             self.stage3.remove()
+        if not gather:
+            return
+        for optimizer in self.optimizers:
+            self._unbind_optimizer(optimizer)
+        self.optimizers.clear()
         for unit in self.units:
             unit.release()
+
+    def _unbind_optimizer(self, optimizer: Optimizer) -> None:
+        full = self.full_optimizer_state_dict(optimizer)
+        for group in optimizer.param_groups:
+            group["params"] = [self._param_of[p][0] for p in group["params"]]
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        optimizer.state = defaultdict(dict)
+        for index, state in full["state"].items():
+            optimizer.state[params[index]] = state
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model state this rank holds now: parameters (persistent), gathered parameters

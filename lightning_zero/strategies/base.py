@@ -106,6 +106,7 @@ class ZeROStrategy(ParallelStrategy):
         self._start_method = start_method
         self._num_nodes = 1
         self._sharded: ShardedModel | None = None
+        self._failed = False
 
     # ------------------------------------------------------------------ processes
     @property
@@ -224,10 +225,16 @@ class ZeROStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Another rank may not reach the collectives that a full teardown needs: do not wait for it.
+        self._failed = True
+
+    @override
     def teardown(self) -> None:
         if self._sharded is not None:
-            self._sharded.release()
+            self._sharded.release(gather=not self._failed)
             self._sharded = None
+        self._failed = False
         if isinstance(self._precision_plugin, ZeROPrecision):
             self._precision_plugin.sharded_model = None
         super().teardown()
@@ -322,10 +329,14 @@ class ZeROStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The full, per-parameter optimizer state (what ``DDPStrategy`` saves); call on all ranks."""
+        if self._sharded is None:
+            return super().optimizer_state(optimizer)
         return self.sharded_model.full_optimizer_state_dict(_unwrap(optimizer))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._sharded is None:
+            return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             self.sharded_model.load_full_optimizer_state_dict(_unwrap(optimizer), state)
 

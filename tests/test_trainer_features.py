@@ -1,0 +1,205 @@
+"""Through a real Trainer on two processes: evaluation, full state dicts, checkpoints, examples, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+
+import lightning_zero  # noqa: F401  registers the strategy names
+from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
+from lightning_zero.engine import UnsupportedOptimizerError
+from tests.distributed import spawn
+from tests.models import ParityNet, quiet_trainer
+
+REPO = Path(__file__).resolve().parents[1]
+STRATEGIES = ("zero1", "zero2", "zero3")
+
+
+class FullStateAtTrainEnd(Callback):
+    """What ``strategy.lightning_module_state_dict()`` returns while the model is still sharded."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
+def _fit_and_evaluate(strategy: Any, world_size: int) -> dict[str, Any]:
+    L.seed_everything(0)
+    model = ParityNet(optimizer="sgd")
+    snapshot = FullStateAtTrainEnd()
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=world_size,
+        max_steps=4,
+        limit_val_batches=2,
+        val_check_interval=2,
+        callbacks=[snapshot],
+    )
+    trainer.fit(model)
+    during_fit = float(trainer.callback_metrics["val_loss"])
+    validated = trainer.validate(model, verbose=False)[0]["val_loss"]
+    tested = trainer.test(model, verbose=False)[0]["test_loss"]
+    predictions = torch.cat(trainer.predict(model))
+    return {
+        "val_during_fit": during_fit,
+        "validate": validated,
+        "test": tested,
+        "predict": predictions,
+        "state_in_fit": snapshot.state,
+        "state_after": {k: v.clone() for k, v in model.state_dict().items()},
+    }
+
+
+def _evaluation(rank: int, world_size: int) -> None:
+    ddp = _fit_and_evaluate(DDPStrategy(), world_size)
+    for name in STRATEGIES:
+        got = _fit_and_evaluate(name, world_size)
+        for key in ("val_during_fit", "validate", "test"):
+            assert got[key] == ddp[key], (name, key)
+        assert torch.equal(got["predict"], ddp["predict"]), name
+        assert list(got["state_in_fit"]) == list(ddp["state_in_fit"]), name  # same keys, same order
+        for key, value in ddp["state_in_fit"].items():
+            assert torch.equal(got["state_in_fit"][key], value), (name, key)
+            assert torch.equal(got["state_after"][key], value), (name, key)
+
+
+def test_validate_test_predict_and_full_state_dict_match_ddp() -> None:
+    spawn(_evaluation, world_size=2)
+
+
+def _resume(rank: int, world_size: int, directory: str) -> None:
+    for name in STRATEGIES:
+        L.seed_everything(0)
+        straight = ParityNet(optimizer="adamw", scheduler="step")
+        quiet_trainer(strategy=name, devices=world_size, max_epochs=2).fit(straight)
+
+        L.seed_everything(0)
+        first = ParityNet(optimizer="adamw", scheduler="step")
+        trainer = quiet_trainer(strategy=name, devices=world_size, max_epochs=1)
+        trainer.fit(first)
+        path = trainer.strategy.broadcast(f"{directory}/{name}.ckpt")
+        trainer.save_checkpoint(path)
+
+        # A different init: everything must come from the checkpoint. (Not seed_everything, which would
+        # also change the DistributedSampler's shuffling seed.)
+        torch.manual_seed(1)
+        second = ParityNet(optimizer="adamw", scheduler="step")
+        quiet_trainer(strategy=name, devices=world_size, max_epochs=2).fit(second, ckpt_path=path)
+        assert second.losses == straight.losses[8:], name
+        for key, value in straight.state_dict().items():
+            assert torch.equal(second.state_dict()[key], value), (name, key)
+
+        # The file is what DDPStrategy writes: a full state dict and full per-parameter states.
+        checkpoint = torch.load(path, weights_only=True)
+        assert set(checkpoint["state_dict"]) == set(first.state_dict())
+        params = list(first.parameters())
+        for index, state in checkpoint["optimizer_states"][0]["state"].items():
+            assert state["exp_avg"].shape == params[index].shape, name
+
+
+def test_checkpoint_resume_continues_exactly() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        spawn(_resume, world_size=2, directory=directory)
+
+
+def _errors(rank: int, world_size: int) -> None:
+    with pytest.raises(UnsupportedOptimizerError, match="LBFGS cannot run on ZeRO shards"):
+        quiet_trainer(strategy="zero2", devices=world_size, max_steps=1).fit(ParityNet(optimizer="lbfgs"))
+
+    class NoParameters(ParityNet):
+        def __init__(self) -> None:
+            L.LightningModule.__init__(self)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            return None
+
+        def configure_optimizers(self) -> None:
+            return None
+
+    with pytest.raises(ValueError, match="has no parameters"):
+        quiet_trainer(strategy="zero3", devices=world_size, max_steps=1).fit(NoParameters())
+
+
+def test_bad_optimizer_and_empty_model_fail_at_setup_on_every_rank() -> None:
+    assert spawn(_errors, world_size=2, timeout=120) == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"unit_modules": "Block"}, TypeError, "unit_modules must be a list"),
+        ({"unit_modules": [42]}, TypeError, "entries must be nn.Module subclasses"),
+        ({"broadcast_buffers": "yes"}, TypeError, "broadcast_buffers"),
+        ({"process_group_backend": "carrier-pigeon"}, ValueError, "not a torch.distributed backend"),
+        ({"timeout": 30}, ValueError, "timeout must be a positive datetime.timedelta"),
+        ({"start_method": "teleport"}, ValueError, "start_method must be one of"),
+    ],
+)
+def test_invalid_options_fail_at_construction(kwargs: dict, error: type, match: str) -> None:
+    for cls in (ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy):
+        with pytest.raises(error, match=match):
+            cls(**kwargs)
+
+
+def test_unsupported_precision_fails_at_trainer_construction() -> None:
+    with pytest.raises(ValueError, match="supports precision='32-true'"):
+        L.Trainer(strategy="zero3", accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
+
+
+def test_strategies_are_registered_by_name() -> None:
+    for name, cls in (("zero1", ZeRO1Strategy), ("zero2", ZeRO2Strategy), ("zero3", ZeRO3Strategy)):
+        trainer = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+        assert type(trainer.strategy) is cls
+
+
+def _load_example(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, REPO / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it is executing
+    spec.loader.exec_module(module)
+    return module
+
+
+def _train_gpt(rank: int, world_size: int, output: str) -> dict[str, dict[str, Any] | None]:
+    example = _load_example("train_gpt")
+    tiny = [
+        "--max-steps",
+        "8",
+        "--n-layer",
+        "1",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "16",
+        "--batch-size",
+        "8",
+        "--val-check-interval",
+        "4",
+        "--sample-chars",
+        "20",
+        "--devices",
+        str(world_size),
+    ]
+    return {s: example.main([*tiny, "--strategy", s, "--output", f"{output}/{s}"]) for s in ("ddp", "zero3")}
+
+
+def test_train_gpt_example_runs_and_matches_ddp() -> None:
+    with tempfile.TemporaryDirectory() as output:
+        summaries = spawn(_train_gpt, world_size=2, output=output)
+    ddp, zero3 = summaries[0]["ddp"], summaries[0]["zero3"]
+    assert summaries[1] == {"ddp": None, "zero3": None}
+    assert zero3["steps"] == 8
+    assert zero3["train_loss"] < zero3["first_train_loss"]
+    for key in ("first_train_loss", "train_loss", "val_loss", "sample"):
+        assert zero3[key] == ddp[key], key
