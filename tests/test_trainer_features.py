@@ -11,7 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_zero  # noqa: F401  registers the strategy names
@@ -83,7 +83,11 @@ def _resume(rank: int, world_size: int, directory: str) -> None:
 
         L.seed_everything(0)
         first = ParityNet(optimizer="adamw", scheduler="step")
-        trainer = quiet_trainer(strategy=name, devices=world_size, max_epochs=1)
+        # Checkpoints written during training must not disturb it (the straight run writes none).
+        saver = ModelCheckpoint(dirpath=f"{directory}/{name}-every-step", every_n_train_steps=1, save_top_k=-1)
+        trainer = quiet_trainer(
+            strategy=name, devices=world_size, max_epochs=1, enable_checkpointing=True, callbacks=[saver]
+        )
         trainer.fit(first)
         path = trainer.strategy.broadcast(f"{directory}/{name}.ckpt")
         trainer.save_checkpoint(path)

@@ -213,6 +213,8 @@ class ShardedModel:
     def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` as if it had stepped full parameters (what DDP would save)."""
         state_dict = optimizer.state_dict()
+        # state_dict() shares the per-parameter dicts with optimizer.state: copy before replacing entries.
+        state_dict["state"] = {idx: dict(entry) for idx, entry in state_dict["state"].items()}
         index_of = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
         for unit in self.units_of(optimizer):
             entries = [(index_of[sp], i) for i, sp in enumerate(unit.shard_params) if sp in index_of]
