@@ -9,7 +9,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_zero.engine import Comm, ShardedModel, UnsupportedOptimizerError, check_elementwise
+from lightning_zero.engine import (
+    Comm,
+    ShardedModel,
+    UnsupportedOptimizerError,
+    check_elementwise,
+    module_class_policy,
+    owns_parameters,
+)
 from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
 from tests.distributed import spawn
 
@@ -292,3 +299,55 @@ def test_frozen_parameters_get_no_gradient_and_no_optimizer_state() -> None:
     frozen = sharded.units[0].shard_params
     assert all(p.grad is None and p not in opt.state for p in frozen)
     assert all(p.grad is not None and p in opt.state for u in sharded.units[1:] for p in u.shard_params)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class _CheckpointedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _activation_checkpointing(rank: int, world_size: int) -> None:
+    for stage in (1, 2, 3):
+        for policy in (owns_parameters, module_class_policy([_Block])):
+            torch.manual_seed(0)
+            reference = _CheckpointedNet()
+            model = copy.deepcopy(reference)
+            ddp = DistributedDataParallel(reference)
+            sharded = ShardedModel(model, stage, Comm(), policy=policy)
+            ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            sharded.bind_optimizer(opt)
+            data = torch.Generator().manual_seed(rank)
+            for _ in range(3):
+                x = torch.randn(4, 8, generator=data)
+                ref_opt.zero_grad()
+                ddp(x).square().mean().backward()
+                ref_opt.step()
+                opt.zero_grad()
+                with sharded.step_context():
+                    model(x).square().mean().backward()  # recomputes each block's forward inside backward
+                opt.step()
+                sharded.after_optimizer_step(opt)
+            full = sharded.full_state_dict()
+            for key, value in reference.state_dict().items():
+                assert torch.equal(full[key], value), (stage, key)
+
+
+def test_activation_checkpointing_matches_ddp() -> None:
+    spawn(_activation_checkpointing, world_size=2)

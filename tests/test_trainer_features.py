@@ -17,6 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 import lightning_zero  # noqa: F401  registers the strategy names
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import UnsupportedOptimizerError
+from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
@@ -207,3 +208,57 @@ def test_train_gpt_example_runs_and_matches_ddp() -> None:
     assert zero3["train_loss"] < zero3["first_train_loss"]
     for key in ("first_train_loss", "train_loss", "val_loss", "sample"):
         assert zero3[key] == ddp[key], key
+
+
+class _MLP(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 16))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 16)), batch_size=4)
+
+
+class _StepAccounting(Callback):
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        trainer.strategy.sharded_model.comm.stats.reset()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        sharded = trainer.strategy.sharded_model
+        self.stats = sharded.comm.stats.as_dict()
+        self.memory = sharded.memory_stats()
+        self.units = [(u.layout.padded_numel, u.layout.shard_numel) for u in sharded.units]
+
+
+def _accounting(rank: int, world_size: int) -> None:
+    ring = (world_size - 1) / world_size
+    for stage, name in ((1, "zero1"), (2, "zero2"), (3, "zero3")):
+        accounting = _StepAccounting()
+        model = _MLP()
+        numel = sum(p.numel() for p in model.parameters())
+        quiet_trainer(strategy=name, devices=world_size, max_steps=3, callbacks=[accounting]).fit(model)
+        padded = sum(p for p, _ in accounting.units)
+        shard = sum(s for _, s in accounting.units)
+        stats, memory = accounting.stats, accounting.memory
+        # Per step: one reduce-scatter per unit, one all-gather per unit (two under stage 3), bytes as theory.
+        assert stats["reduce_scatter"]["calls"] == len(accounting.units)
+        assert stats["all_gather"]["calls"] == len(accounting.units) * (2 if stage == 3 else 1)
+        sent = stats["reduce_scatter"]["bytes_sent"] + stats["all_gather"]["bytes_sent"]
+        assert sent == (3 if stage == 3 else 2) * padded * 4 * ring
+        assert sent >= theory_comm_bytes(stage, numel, world_size)
+        # Persistent model state per rank: theory up to shard padding, from the storage sizes.
+        expected = theory_bytes(stage, numel, world_size)
+        assert memory["params"] == (shard if stage == 3 else padded) * 4
+        assert memory["grads"] == shard * 4 and memory["optimizer_states"] <= shard * 8
+        assert expected.params <= memory["params"] <= expected.params + 4 * (padded - numel)
+        assert expected.optimizer_states - 8 * (padded - numel) <= memory["optimizer_states"]
+
+
+def test_step_communication_and_memory_through_trainer() -> None:
+    spawn(_accounting, world_size=2)

@@ -146,24 +146,26 @@ class ShardedModel:
         for unit in self.units_of(optimizer):
             unit.gather_updated_shards()
 
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip ``optimizer``'s sharded gradients by their global norm; return that norm (same on all ranks)."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        device = self.units[0].device
+    def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of ``optimizer``'s gradients over all ranks' shards (one all-reduce; same on every rank)."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p.numel()]
         norm_type = float(norm_type)
+        total = torch.zeros((), device=self.units[0].device)
         if norm_type == float("inf"):
-            local = (
-                torch.stack([g.abs().max() for g in grads if g.numel()]).max()
-                if any(g.numel() for g in grads)
-                else None
-            )
-            total = (local if local is not None else torch.zeros((), device=device)).float()
+            if grads:
+                total = torch.stack([g.abs().max() for g in grads]).max().float()
             self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
-        else:
-            powers = [torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]
-            total = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
-            self.comm.all_reduce(total)
-            total = total ** (1.0 / norm_type)
+            return total
+        if grads:
+            total = torch.stack([torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]).sum()
+        self.comm.all_reduce(total)
+        return total ** (1.0 / norm_type)
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale ``optimizer``'s sharded gradients so that their global norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` does for full gradients; return the norm before clipping."""
+        total = self.grad_norm(optimizer, norm_type)
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))

@@ -307,7 +307,7 @@ class ZeROStrategy(ParallelStrategy):
             self.log("grad_norm", self.trainer.strategy.grad_norm())
         """
         optimizers = [_unwrap(optimizer)] if optimizer is not None else [_unwrap(o) for o in self.optimizers]
-        norms = [self.sharded_model.clip_grad_norm_(o, float("inf"), norm_type) for o in optimizers]
+        norms = [self.sharded_model.grad_norm(o, norm_type) for o in optimizers]
         if len(norms) == 1:
             return norms[0]
         return torch.linalg.vector_norm(torch.stack(norms), norm_type)
