@@ -3,7 +3,8 @@
 ``ParityNet`` switches on, one flag at a time, every case the parity invariant lists: several
 param groups, LR schedulers, frozen parameters, a weight tied between two submodules, a module
 called twice, a root-level parameter, parameters unused in some steps, BatchNorm buffers and
-manual optimization with two optimizers.
+manual optimization with two optimizers. ``rank_dependent`` uses a layer on rank 0 only
+(DDP with ``find_unused_parameters=True`` and stages 1 and 2 handle it; stage 3 cannot, see docs).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class ParityNet(L.LightningModule):
         scheduler: str | None = None,
         frozen: bool = False,
         unused: bool = False,
+        rank_dependent: bool = False,
         batchnorm: bool = False,
         manual: bool = False,
         batch_size: int = 4,
@@ -46,7 +48,7 @@ class ParityNet(L.LightningModule):
         self.norm = nn.BatchNorm1d(DIM) if batchnorm else nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.emb.weight  # tied
-        self.sometimes = nn.Linear(DIM, DIM) if unused else None
+        self.sometimes = nn.Linear(DIM, DIM) if unused or rank_dependent else None
         self.fixed = nn.Linear(DIM, DIM) if frozen else None
         if frozen:
             self.fixed.requires_grad_(False)
@@ -60,7 +62,8 @@ class ParityNet(L.LightningModule):
             h = h + self.down(torch.relu(self.up(h)))
         if self.fixed is not None:
             h = h + self.fixed(h)
-        if self.sometimes is not None and self.global_step % 2 == 0:
+        use_sometimes = self.global_rank == 0 if self.hparams.rank_dependent else self.global_step % 2 == 0
+        if self.sometimes is not None and use_sometimes:
             h = h + self.sometimes(h)
         if isinstance(self.norm, nn.BatchNorm1d):
             h = self.norm(h.transpose(1, 2)).transpose(1, 2)

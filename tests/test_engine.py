@@ -351,3 +351,44 @@ def _activation_checkpointing(rank: int, world_size: int) -> None:
 
 def test_activation_checkpointing_matches_ddp() -> None:
     spawn(_activation_checkpointing, world_size=2)
+
+
+class _AttentionNet(nn.Module):
+    """nn.MultiheadAttention reads out_proj.weight without calling out_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+def _attention(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    reference = _AttentionNet()
+    model = copy.deepcopy(reference)
+    ddp = DistributedDataParallel(reference)
+    sharded = ShardedModel(model, 3, Comm())
+    assert [u.name for u in sharded.units] == ["attn", "head"]
+    ref_opt, opt = torch.optim.Adam(ddp.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
+    sharded.bind_optimizer(opt)
+    data = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        x = torch.randn(2, 5, 8, generator=data)
+        ref_opt.zero_grad()
+        ddp(x).square().mean().backward()
+        ref_opt.step()
+        opt.zero_grad()
+        with sharded.step_context():
+            model(x).square().mean().backward()
+        opt.step()
+        sharded.after_optimizer_step(opt)
+    full = sharded.full_state_dict()
+    for key, value in reference.state_dict().items():
+        assert torch.equal(full[key], value), key
+
+
+def test_stage3_multihead_attention_is_one_unit_and_matches_ddp() -> None:
+    spawn(_attention, world_size=2)

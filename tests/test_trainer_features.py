@@ -32,17 +32,25 @@ class FullStateAtTrainEnd(Callback):
         self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
 
 
+class ModelCalledFromCallback(Callback):
+    """Calls the model between steps, as a sample-generation or EMA callback would."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with torch.no_grad():
+            self.outputs = [*getattr(self, "outputs", []), pl_module(torch.arange(12).view(2, 6) % 13)]
+
+
 def _fit_and_evaluate(strategy: Any, world_size: int) -> dict[str, Any]:
     L.seed_everything(0)
     model = ParityNet(optimizer="sgd")
-    snapshot = FullStateAtTrainEnd()
+    snapshot, caller = FullStateAtTrainEnd(), ModelCalledFromCallback()
     trainer = quiet_trainer(
         strategy=strategy,
         devices=world_size,
         max_steps=4,
         limit_val_batches=2,
         val_check_interval=2,
-        callbacks=[snapshot],
+        callbacks=[snapshot, caller],
     )
     trainer.fit(model)
     during_fit = float(trainer.callback_metrics["val_loss"])
@@ -55,6 +63,7 @@ def _fit_and_evaluate(strategy: Any, world_size: int) -> dict[str, Any]:
         "test": tested,
         "predict": predictions,
         "state_in_fit": snapshot.state,
+        "called_from_callback": torch.stack(caller.outputs),
         "state_after": {k: v.clone() for k, v in model.state_dict().items()},
     }
 
@@ -66,6 +75,7 @@ def _evaluation(rank: int, world_size: int) -> None:
         for key in ("val_during_fit", "validate", "test"):
             assert got[key] == ddp[key], (name, key)
         assert torch.equal(got["predict"], ddp["predict"]), name
+        assert torch.equal(got["called_from_callback"], ddp["called_from_callback"]), name
         assert list(got["state_in_fit"]) == list(ddp["state_in_fit"]), name  # same keys, same order
         for key, value in ddp["state_in_fit"].items():
             assert torch.equal(got["state_in_fit"][key], value), (name, key)
@@ -91,7 +101,15 @@ def _resume(rank: int, world_size: int, directory: str) -> None:
         )
         trainer.fit(first)
         path = trainer.strategy.broadcast(f"{directory}/{name}.ckpt")
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path)  # after fit: the module is plain again
+        # Written by ModelCheckpoint during fit, while everything was sharded: must be the same file content.
+        during = torch.load(f"{directory}/{name}-every-step/epoch=0-step=8.ckpt", weights_only=True)
+        after = torch.load(path, weights_only=True)
+        for key, value in after["state_dict"].items():
+            assert torch.equal(during["state_dict"][key], value), (name, key)
+        for index, state in after["optimizer_states"][0]["state"].items():
+            for key, value in state.items():
+                assert torch.equal(during["optimizer_states"][0]["state"][index][key], value), (name, index, key)
 
         # A different init: everything must come from the checkpoint. (Not seed_everything, which would
         # also change the DistributedSampler's shuffling seed.)
@@ -131,6 +149,22 @@ def _errors(rank: int, world_size: int) -> None:
 
     with pytest.raises(ValueError, match="has no parameters"):
         quiet_trainer(strategy="zero3", devices=world_size, max_steps=1).fit(NoParameters())
+
+    class UnfreezesDuringFit(ParityNet):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 1:
+                self.fixed.requires_grad_(True)
+
+    with pytest.raises(RuntimeError, match=r"'fixed.weight' was frozen .* when training started"):
+        quiet_trainer(strategy="zero2", devices=world_size, max_steps=3).fit(UnfreezesDuringFit(frozen=True))
+
+    class AddsParamGroup(ParityNet):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 1:
+                self.trainer.optimizers[0].add_param_group({"params": [self.fixed.weight]})
+
+    with pytest.raises(RuntimeError, match="added after training started"):
+        quiet_trainer(strategy="zero1", devices=world_size, max_steps=3).fit(AddsParamGroup(frozen=True))
 
 
 def test_bad_optimizer_and_empty_model_fail_at_setup_on_every_rank() -> None:

@@ -117,6 +117,7 @@ class GradReducer:
     def finish_backward(self) -> None:
         """Reduce what is left, decide which sharded gradients exist, attach them."""
         try:
+            self._check_frozen_stay_frozen()
             if self.sync_enabled:
                 while self._next < len(self.order):
                     self._reduce(self.order[self._next])
@@ -129,6 +130,17 @@ class GradReducer:
                 ready.clear()
         if self.after_backward is not None:
             self.after_backward()
+
+    def _check_frozen_stay_frozen(self) -> None:
+        for unit in self.units:
+            for index, param in enumerate(unit.params):
+                if param.grad is not None and index not in unit.trainable_indices:
+                    raise RuntimeError(
+                        f"parameter {unit.param_names[index]!r} was frozen (requires_grad=False) when training "
+                        "started and now has a gradient. ZeRO fixes the set of trainable parameters at setup: "
+                        "unfreeze before trainer.fit (or freeze with requires_grad_ only the parameters that stay "
+                        "frozen for the whole run, and put the rest in the optimizer with lr=0 until needed)."
+                    )
 
     def _attach_pending(self) -> None:
         if not self._pending:

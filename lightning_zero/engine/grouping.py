@@ -5,6 +5,10 @@ always a unit root; the others are chosen by a policy (by default: every module 
 parameters directly). Every parameter belongs to exactly one unit: that of the nearest unit root
 enclosing *all* modules that own it. So a weight tied between ``wte`` and ``lm_head`` lands in the
 unit of their closest common ancestor, and is gathered whenever either of them runs.
+
+Some modules read their children's parameters without calling the children (``nn.MultiheadAttention``
+uses ``out_proj.weight`` directly). Their whole subtree is one unit whatever the policy says
+(``ATOMIC_MODULES``), so that everything they read is gathered when they run.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from torch import nn
 
 ROOT_NAME = "<root>"
+ATOMIC_MODULES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 UnitPolicy = Callable[[str, nn.Module], bool]
 
 
@@ -62,7 +67,9 @@ def plan_units(module: nn.Module, policy: UnitPolicy = owns_parameters) -> list[
     ``"<root>"``.
     """
     modules = dict(module.named_modules(remove_duplicate=False))
-    roots = {""} | {name for name, m in modules.items() if name and policy(name, m)}
+    atomic = [name for name, m in modules.items() if name and isinstance(m, ATOMIC_MODULES)]
+    inside_atomic = {name for name in modules for a in atomic if name.startswith(a + ".")}
+    roots = {""} | {name for name, m in modules.items() if name and name not in inside_atomic and policy(name, m)}
 
     owners: dict[int, list[str]] = {}
     first_name: dict[int, str] = {}

@@ -81,8 +81,7 @@ class ShardedModel:
         self.stage3: Stage3Hooks | None = None
         self.reducer = GradReducer(self.units, reduce_in_backward=stage >= 2)
         if stage == 3:
-            hooked = [u for u in self.units if u is not self.root_unit]
-            self.stage3 = Stage3Hooks(hooked, self.reducer.queue_finish)
+            self.stage3 = Stage3Hooks(self.units, self.reducer.queue_finish)
             self.reducer.after_unit_reduced = self.stage3.after_unit_reduced
             self.reducer.after_backward = self.stage3.after_backward
             self.stage3.install()
@@ -100,14 +99,21 @@ class ShardedModel:
         finally:
             self.end_step()
 
-    def begin_step(self) -> None:
-        self._sync_buffers()
-        if self.root_unit is not None:
-            self.root_unit.unshard()
+    def begin_step(self, sync_buffers: bool = True) -> None:
+        """Start a step: rank 0's buffers everywhere (training), the root unit held (stage 3)."""
+        if sync_buffers:
+            self._sync_buffers()
+        if self.stage3 is not None and self.root_unit is not None:
+            self.stage3.hold(self.root_unit)
+
+    @property
+    def root_held(self) -> bool:
+        """Whether a step holds the root unit gathered now (stage 3)."""
+        return self.stage3 is not None and self.root_unit in self.stage3.held
 
     def end_step(self) -> None:
-        if self.root_unit is not None:
-            self.root_unit.reshard()
+        if self.stage3 is not None and self.root_unit is not None:
+            self.stage3.unhold(self.root_unit)
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -137,14 +143,24 @@ class ShardedModel:
         bind_optimizer(optimizer, self._shard_of)
         self.optimizers.append(optimizer)
 
-    def units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
-        stepped = {id(self._unit_of[p]) for g in optimizer.param_groups for p in g["params"]}
-        return [u for u in self.units if id(u) in stepped]
-
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Spread the updated shards of ``optimizer``'s units to every rank (one all-gather per unit)."""
         for unit in self.units_of(optimizer):
             unit.gather_updated_shards()
+
+    def units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
+        """The units whose parameters ``optimizer`` steps."""
+        stepped: set[int] = set()
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param not in self._unit_of:
+                    raise RuntimeError(
+                        f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that was added "
+                        "after training started (optimizer.add_param_group?). ZeRO binds the optimizer's parameters "
+                        "at setup: create every param group in configure_optimizers (set lr=0 to keep one idle)."
+                    )
+                stepped.add(id(self._unit_of[param]))
+        return [u for u in self.units if id(u) in stepped]
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of ``optimizer``'s gradients over all ranks' shards (one all-reduce; same on every rank)."""

@@ -7,8 +7,10 @@
 - after the unit's gradients are reduced (``GradReducer``), or when backward ends: ``reshard()``.
 
 The root unit (parameters the ``LightningModule`` owns directly, or weights tied across
-branches) is used outside any submodule's forward, in ``training_step`` itself, so it is not hooked
-here: ``ShardedModel.begin_step`` / ``end_step`` hold it for the whole step.
+branches) is used outside any submodule's forward, in ``training_step`` itself: during a step
+``ShardedModel.begin_step`` / ``end_step`` *hold* it (``hold`` / ``unhold``), and the hooks above
+leave a held unit gathered. Outside steps (a callback calling the model) it is gathered just in
+time like any other unit.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from lightning_zero.engine.unit import ShardedUnit
 
 
 class Stage3Hooks:
-    """Installs and removes the hooks above on every non-root unit.
+    """Installs and removes the hooks above on every unit.
 
     Example::
 
-        hooks = Stage3Hooks([u for u in units if u is not root], reducer.queue_finish)
+        hooks = Stage3Hooks(units, reducer.queue_finish)
         hooks.install()
         out = model(x)          # units gathered one at a time, released after their forward
     """
@@ -37,6 +39,7 @@ class Stage3Hooks:
         self.units = units
         self.queue_finish = queue_finish
         self.in_backward: set[ShardedUnit] = set()
+        self.held: set[ShardedUnit] = set()
         self._handles: list[Any] = []
 
     def install(self) -> None:
@@ -61,7 +64,7 @@ class Stage3Hooks:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors and torch.is_grad_enabled():
                 register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-            if unit not in self.in_backward:
+            if unit not in self.in_backward and unit not in self.held:
                 unit.reshard()
 
         return hook
@@ -79,9 +82,19 @@ class Stage3Hooks:
         parameter's value may still be needed later in this backward."""
         if unit in self.in_backward and len(unit.trainable_indices) == len(unit.params):
             self.in_backward.discard(unit)
-            unit.reshard()
+            if unit not in self.held:
+                unit.reshard()
 
     def after_backward(self) -> None:
-        for unit in self.in_backward:
+        for unit in self.in_backward - self.held:
             unit.reshard()
         self.in_backward.clear()
+
+    def hold(self, unit: ShardedUnit) -> None:
+        """Gather ``unit`` and keep it gathered until ``unhold`` (the root unit during a step)."""
+        self.held.add(unit)
+        unit.unshard()
+
+    def unhold(self, unit: ShardedUnit) -> None:
+        self.held.discard(unit)
+        unit.reshard()

@@ -65,6 +65,8 @@ class ShardedUnit:
         self.reshard_after_forward = reshard_after_forward
         self.layout = ShardLayout.from_shapes([p.shape for p in params], comm.world_size)
         self.param_shards: list[ParamShard] = self.layout.param_shards(comm.rank)
+        # Fixed at construction: gradient hooks and shard parameters are made for exactly these.
+        self.trainable_indices = [i for i, p in enumerate(params) if p.requires_grad]
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.flat = self._flatten_into_views()
@@ -92,10 +94,6 @@ class ShardedUnit:
         return nn.Parameter(data, requires_grad=param.requires_grad)
 
     # ------------------------------------------------------------------ properties
-    @property
-    def trainable_indices(self) -> list[int]:
-        return [i for i, p in enumerate(self.params) if p.requires_grad]
-
     @property
     def is_unsharded(self) -> bool:
         return self.state is UnitState.UNSHARDED

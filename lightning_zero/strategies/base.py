@@ -268,14 +268,15 @@ class ZeROStrategy(ParallelStrategy):
     @contextmanager
     def _eval_step(self) -> Generator[None, None, None]:
         root = self.sharded_model.root_unit
-        was_gathered = root is not None and root.is_unsharded
-        if root is not None:
-            root.unshard()
+        held_already = (
+            root is not None and self.sharded_model.stage3 is not None and root in self.sharded_model.stage3.held
+        )
+        self.sharded_model.begin_step(sync_buffers=False)
         try:
             yield
         finally:
-            if root is not None and not was_gathered:
-                root.reshard()
+            if not held_already:  # validation in the middle of gradient accumulation keeps the hold
+                self.sharded_model.end_step()
 
     @override
     def optimizer_step(

@@ -16,7 +16,8 @@ class ZeRO2Strategy(ZeROStrategy):
     As stage 1, but each unit's gradients are reduce-scattered from a gradient hook as soon as
     they are complete during backward, and the full gradients are freed at once; accumulation
     adds into the sharded gradient. Memory per rank with Adam in fp32: ``4Ψ + 12Ψ/N`` bytes;
-    communication ``2Ψ`` per step (per micro-batch when accumulating).
+    communication ``2Ψ`` per step (a reduce-scatter of ``Ψ`` per micro-batch when accumulating,
+    one all-gather of ``Ψ`` per optimizer step).
 
     Example::
 
