@@ -32,7 +32,8 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import lightning_zero  # noqa: F401  registers "zero1"/"zero2"/"zero3"
+from lightning_zero import ZeROStrategy  # importing lightning_zero registers "zero1"/"zero2"/"zero3"
+from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -330,6 +331,44 @@ class TrainMonitor(Callback):
         return steps * world_size * self.tokens_per_step / max(self.train_seconds, 1e-9)
 
 
+class ShardingSummary(Callback):
+    """Under a ZeRO strategy: the model state this rank holds and what communication cost per step,
+    read from the strategy's engine while it is still sharded (it is released when fit ends)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.train_bytes = 0
+        self.train_comm_seconds = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if isinstance(trainer.strategy, ZeROStrategy):
+            trainer.strategy.sharded_model.comm.stats.reset()  # counts training steps only, not validation
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if isinstance(trainer.strategy, ZeROStrategy):
+            stats = trainer.strategy.sharded_model.comm.stats
+            self.train_bytes += stats.bytes_sent
+            self.train_comm_seconds += sum(s.seconds for s in stats.by_kind.values())
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not isinstance(trainer.strategy, ZeROStrategy) or trainer.global_step == 0:
+            return
+        sharded = trainer.strategy.sharded_model
+        numel = sum(p.numel() for u in sharded.units for p in u.params)
+        memory = sharded.memory_stats()
+        theory = theory_bytes(sharded.stage, numel, trainer.world_size)
+        held = memory["params"] + memory["grads"] + memory["optimizer_states"]
+        mb = 1 / 2**20
+        self.lines = [
+            f"model state:     {held * mb:.2f} MB per rank (params {memory['params'] * mb:.2f}, grads "
+            f"{memory['grads'] * mb:.2f}, optimizer {memory['optimizer_states'] * mb:.2f}); theory "
+            f"{theory.total * mb:.2f}, DDP {theory_bytes(None, numel, trainer.world_size).total * mb:.2f}",
+            f"communication:   {self.train_bytes / trainer.global_step * mb:.2f} MB sent per rank per step "
+            f"(theory {theory_comm_bytes(sharded.stage, numel, trainer.world_size) * mb:.2f}), "
+            f"{self.train_comm_seconds:.1f} s in collectives",
+        ]
+
+
 @torch.no_grad()
 def evaluate(model: GPT, dataset: CharBlockDataset, batch_size: int) -> float:
     """Mean loss of ``model`` over ``dataset``, computed in this process alone."""
@@ -402,7 +441,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     )
 
     monitor = TrainMonitor(tokens_per_step=args.batch_size * args.block_size)
-    callbacks: list[Callback] = [monitor]
+    sharding = ShardingSummary()
+    callbacks: list[Callback] = [monitor, sharding]
     if args.checkpoint:
         callbacks.append(ModelCheckpoint(every_n_train_steps=args.max_steps, save_top_k=-1))
     trainer = L.Trainer(
@@ -454,9 +494,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     print(f"val_loss:        {val_loss:.4f} (after fit, rank 0; last logged: {logged_val:.4f})")
     print(f"tokens/s:        {tokens_per_s:,.0f} (training, all ranks)")
     print(f"train time:      {monitor.train_seconds:.1f} s")
-    if hasattr(trainer.strategy, "memory_report"):
-        report = trainer.strategy.memory_report
-        print(f"memory_report:   {report() if callable(report) else report}")
+    for line in sharding.lines:
+        print(line)
     print(f"sample:\n{sample}\n")
 
     return {
