@@ -12,9 +12,18 @@ Example::
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
+from lightning_zero.strategies.checkpointing import consolidate as consolidate_checkpoint
 
 __version__ = "0.1.0"
-__all__ = ["ZeRO1Strategy", "ZeRO2Strategy", "ZeRO3Strategy", "ZeROPrecision", "ZeROStrategy", "__version__"]
+__all__ = [
+    "ZeRO1Strategy",
+    "ZeRO2Strategy",
+    "ZeRO3Strategy",
+    "ZeROPrecision",
+    "ZeROStrategy",
+    "__version__",
+    "consolidate_checkpoint",
+]
 
 for _strategy, _name in ((ZeRO1Strategy, "zero1"), (ZeRO2Strategy, "zero2"), (ZeRO3Strategy, "zero3")):
     if _name not in StrategyRegistry:  # a re-import must not register twice

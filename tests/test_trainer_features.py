@@ -15,9 +15,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_zero  # noqa: F401  registers the strategy names
-from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
+from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
 from lightning_zero.engine import UnsupportedOptimizerError
 from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
+from lightning_zero.strategies.checkpointing import consolidate
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
@@ -26,10 +27,19 @@ STRATEGIES = ("zero1", "zero2", "zero3")
 
 
 class FullStateAtTrainEnd(Callback):
-    """What ``strategy.lightning_module_state_dict()`` returns while the model is still sharded."""
+    """The full state dict while the model is still sharded: ``strategy.full_state_dict()`` (and what
+    ``lightning_module_state_dict()`` returns with ``checkpoint_format="full"``)."""
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.state = {k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+        strategy = trainer.strategy
+        if isinstance(strategy, ZeROStrategy):
+            self.state = {k: v.clone() for k, v in strategy.full_state_dict().items()}
+            strategy.checkpoint_format = "full"
+            as_lightning_sees_it = strategy.lightning_module_state_dict()
+            strategy.checkpoint_format = "sharded"
+            assert all(torch.equal(as_lightning_sees_it[k], v) for k, v in self.state.items())
+        else:
+            self.state = {k: v.clone() for k, v in strategy.lightning_module_state_dict().items()}
 
 
 class ModelCalledFromCallback(Callback):
@@ -103,7 +113,7 @@ def _resume(rank: int, world_size: int, directory: str) -> None:
         path = trainer.strategy.broadcast(f"{directory}/{name}.ckpt")
         trainer.save_checkpoint(path)  # after fit: the module is plain again
         # Written by ModelCheckpoint during fit, while everything was sharded: must be the same file content.
-        during = torch.load(f"{directory}/{name}-every-step/epoch=0-step=8.ckpt", weights_only=True)
+        during = consolidate(f"{directory}/{name}-every-step/epoch=0-step=8.ckpt")  # a sharded directory
         after = torch.load(path, weights_only=True)
         for key, value in after["state_dict"].items():
             assert torch.equal(during["state_dict"][key], value), (name, key)

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
@@ -42,16 +43,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.engine import Comm, ShardedModel, module_class_policy, owns_parameters
+from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
+from lightning_zero.engine.files import remove
+from lightning_zero.strategies import checkpointing
 from lightning_zero.strategies.precision import ZeROPrecision
 
 log = logging.getLogger(__name__)
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+CheckpointFormat = Literal["sharded", "full"]
+_CHECKPOINT_FORMATS = ("sharded", "full")
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
@@ -69,6 +76,11 @@ class ZeROStrategy(ParallelStrategy):
             each training step, as ``DDPStrategy`` does by default.
         process_group_backend: ``"gloo"``, ``"nccl"``, ... Default: NCCL on CUDA, gloo on CPU.
         timeout: How long a collective may wait for the other ranks before failing.
+        checkpoint_format: ``"sharded"`` (default): ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write a
+            directory in which every rank saves its own shards in parallel (no full gather); while
+            sharded, ``lightning_module_state_dict()`` returns those shards. ``"full"``: one ordinary
+            ``.ckpt`` file with the full state, exactly what ``DDPStrategy`` writes. Both load at
+            any world size and under any stage; see ``docs/checkpoints.md``.
         start_method: How Lightning starts processes when it launches them itself: ``"popen"``
             (re-runs the script, the default, as for ``DDPStrategy``), ``"spawn"``, ``"fork"``
             or ``"forkserver"``.
@@ -84,6 +96,7 @@ class ZeROStrategy(ParallelStrategy):
         broadcast_buffers: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
+        checkpoint_format: CheckpointFormat = "sharded",
         start_method: StartMethod = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -92,6 +105,8 @@ class ZeROStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
     ) -> None:
         _validate_options(unit_modules, broadcast_buffers, process_group_backend, timeout, start_method)
+        if checkpoint_format not in _CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format must be one of {_CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -104,6 +119,8 @@ class ZeROStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
+        self.checkpoint_format = checkpoint_format
+        self._mesh: DeviceMesh | None = None
         self._num_nodes = 1
         self._sharded: ShardedModel | None = None
         self._failed = False
@@ -313,33 +330,84 @@ class ZeROStrategy(ParallelStrategy):
             return norms[0]
         return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ state and checkpoints
+    @property
+    def unwrapped_optimizers(self) -> list[Optimizer]:
+        return [_unwrap(o) for o in self.optimizers]
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """A 1-D mesh over all ranks, for ``torch.distributed.checkpoint``."""
+        if self._mesh is None:
+            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+        return self._mesh
+
+    @property
     @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # checkpoints load straight into the shards, which exist only after setup
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers itself
+
+    def full_state_dict(self) -> dict[str, Any]:
         """The full, unsharded state dict (as ``DDPStrategy`` returns it); a collective: call on all ranks."""
         if self._sharded is None:
             return super().lightning_module_state_dict()
         return self._sharded.full_state_dict()
 
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's shards with ``checkpoint_format="sharded"`` (what a sharded checkpoint saves), the
+        full state dict with ``"full"`` or when not sharded; a collective: call on all ranks."""
+        if self._sharded is not None and self.checkpoint_format == "sharded":
+            return sharded_model_state(self._sharded, self.device_mesh)
+        return self.full_state_dict()
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if self._sharded is None:
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        self._sharded.load_full_state_dict(checkpoint["state_dict"], strict=strict)
+            super().load_model_state_dict(checkpoint, strict=strict)
+        # Otherwise load_checkpoint has already put the weights into the shards.
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full, per-parameter optimizer state (what ``DDPStrategy`` saves); call on all ranks."""
+        """This rank's shards of the optimizer state (``"sharded"``) or the full, per-parameter state that
+        ``DDPStrategy`` saves (``"full"``); call on all ranks."""
         if self._sharded is None:
             return super().optimizer_state(optimizer)
-        return self.sharded_model.full_optimizer_state_dict(_unwrap(optimizer))
+        raw = _unwrap(optimizer)
+        if self.checkpoint_format == "sharded":
+            index = self.unwrapped_optimizers.index(raw)
+            return sharded_optimizer_state(self._sharded, raw, index, self.device_mesh)
+        return self._sharded.full_optimizer_state_dict(raw)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if self._sharded is None:
-            return super().load_optimizer_state_dict(checkpoint)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            self.sharded_model.load_full_optimizer_state_dict(_unwrap(optimizer), state)
+            super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write a sharded checkpoint directory or a full ``.ckpt`` file, atomically; call on all ranks."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        checkpointing.save(self, checkpoint, Path(self.broadcast(str(filepath))))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if self._sharded is None:
+            return checkpointing.read_meta(path, weights_only)
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return checkpointing.load(self, path, weights_only, with_optimizers=fitting)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            remove(Path(filepath))
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override

@@ -1,0 +1,278 @@
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), and their consolidation.
+
+[Note: checkpoint layout]
+Each parameter is saved under its name as a *flattened* 1-D tensor of ``param.numel()``
+elements. A rank contributes exactly the piece its shard holds (see [Note: flat layout]), as a
+DTensor whose local tensor is a ``LocalShardsWrapper`` that records the piece's offset; DCP writes
+every rank's pieces in parallel and stores where each one lies. Loading asks, per parameter,
+for the piece the *loading* rank's layout needs, so a checkpoint loads at any world size, under
+any stage and with any unit policy: only names and shapes must match. Per-element optimizer
+states (``exp_avg``, ...) are saved the same way under ``optim/<i>/<name>/<key>``; scalar states
+(``step``) and buffers are plain replicated tensors. What is not a tensor (param groups, shapes,
+the names of tied aliases, Lightning's loops and callbacks) goes into ``meta.pt``.
+
+Nothing here gathers a full parameter: saving and loading move shards only.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+from torch.optim import Optimizer
+
+from lightning_zero.engine.optimizer import is_param_shaped
+from lightning_zero.engine.sharded_model import ShardedModel
+
+FORMAT_VERSION = 1
+META_FILE = "meta.pt"
+MODEL_PREFIX = "model/"
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit the model (names or shapes differ)."""
+
+
+def _piece(local: torch.Tensor, offset: int, numel: int, mesh: DeviceMesh) -> DTensor:
+    """A 1-D DTensor of ``numel`` elements of which this rank holds ``local`` at ``offset``."""
+    wrapper = LocalShardsWrapper([local], [(offset,)])
+    return DTensor.from_local(wrapper, mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+def _param_pieces(model: ShardedModel):
+    for unit in model.units:
+        for index, (param, piece) in enumerate(zip(unit.params, unit.param_shards)):
+            yield unit, index, param, piece
+
+
+def param_names(model: ShardedModel) -> dict[nn.Parameter, str]:
+    return {param: unit.param_names[i] for unit, i, param, _ in _param_pieces(model)}
+
+
+def _optim_key(index: int, name: str, key: str) -> str:
+    return f"optim/{index}/{name}/{key}"
+
+
+def sharded_model_state(model: ShardedModel, mesh: DeviceMesh) -> dict[str, Any]:
+    """This rank's part of the model state, ready for ``dcp.save``: parameter pieces (views of the
+    live shards, no copies) and the buffers."""
+    state: dict[str, Any] = {}
+    for unit, index, param, piece in _param_pieces(model):
+        if piece.numel:
+            view = unit.shard[piece.shard_offset : piece.shard_offset + piece.numel]
+            state[MODEL_PREFIX + unit.param_names[index]] = _piece(view, piece.param_offset, param.numel(), mesh)
+    params = {id(p) for p in param_names(model)}
+    for name, value in model.module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor) and id(value) not in params:
+            state[MODEL_PREFIX + name] = value.detach()
+    return state
+
+
+def sharded_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: int, mesh: DeviceMesh) -> dict[str, Any]:
+    """This rank's part of ``optimizer``'s state, ready for ``dcp.save``."""
+    names = param_names(model)
+    state: dict[str, Any] = {}
+    for shard_param, entry in optimizer.state.items():
+        param, piece = model._param_of[shard_param]
+        for key, value in entry.items():
+            if is_param_shaped(key, value, shard_param):
+                if piece.numel:
+                    state[_optim_key(index, names[param], key)] = _piece(value, piece.param_offset, param.numel(), mesh)
+            elif isinstance(value, torch.Tensor):
+                state[_optim_key(index, names[param], key)] = value
+    return state
+
+
+def checkpoint_meta(model: ShardedModel, optimizers: list[Optimizer]) -> dict[str, Any]:
+    """What a sharded checkpoint needs besides tensors: shapes, tied aliases, optimizer structure."""
+    names = param_names(model)
+    full_keys = list(model.module.state_dict(keep_vars=True))
+    aliases = {}
+    state = model.module.state_dict(keep_vars=True)
+    by_id = {id(p): n for p, n in names.items()}
+    for key in full_keys:
+        value = state[key]
+        if isinstance(value, nn.Parameter) and by_id.get(id(value), key) != key:
+            aliases[key] = by_id[id(value)]
+    extra = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+    optim_meta = []
+    for optimizer in optimizers:
+        groups = []
+        for group in optimizer.param_groups:
+            entry = {k: v for k, v in group.items() if k != "params"}
+            entry["params"] = [names[model._param_of[p][0]] for p in group["params"]]
+            groups.append(entry)
+        optim_meta.append({"param_groups": groups})
+    return {
+        "format_version": FORMAT_VERSION,
+        "params": {name: list(param.shape) for param, name in names.items()},
+        "aliases": aliases,
+        "state_dict_keys": full_keys,
+        "extra_state": extra,
+        "optimizers": optim_meta,
+    }
+
+
+def save_sharded(state: dict[str, Any], directory: Path) -> None:
+    """Every rank writes its pieces of ``state`` into ``directory`` (a collective)."""
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
+
+
+def load_sharded(
+    model: ShardedModel,
+    optimizers: list[Optimizer],
+    directory: Path,
+    zero_meta: dict[str, Any],
+    mesh: DeviceMesh,
+    strict: bool = True,
+) -> None:
+    """Load a sharded checkpoint into ``model``'s shards and ``optimizers`` (a collective), whatever
+    world size, stage or unit policy wrote it."""
+    reader = FileSystemReader(directory)
+    saved = reader.read_metadata().state_dict_metadata
+    _check_names(model, zero_meta, saved, strict)
+    target = {k: v for k, v in sharded_model_state(model, mesh).items() if k in saved}
+    optimizer_targets: list[dict[str, Any]] = []
+    for index, optimizer in enumerate(optimizers):
+        wanted = _optimizer_target(model, optimizer, index, saved, mesh)
+        optimizer_targets.append(wanted)
+        target.update({k: v for k, (v, _) in wanted.items() if v is not None})
+    dcp.load(target, storage_reader=reader)
+    for unit in model.units:
+        unit.gather_updated_shards()
+    for index, (optimizer, wanted) in enumerate(zip(optimizers, optimizer_targets)):
+        _install_optimizer_state(model, optimizer, wanted, zero_meta["optimizers"][index])
+
+
+def _check_names(model: ShardedModel, zero_meta: dict[str, Any], saved: dict[str, Any], strict: bool) -> None:
+    expected = {name: list(p.shape) for p, name in param_names(model).items()}
+    stored = zero_meta["params"]
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(stored) if expected[n] != list(stored[n]))
+    if wrong or (strict and (missing or unexpected)):
+        lines = []
+        if missing:
+            lines.append(f"missing from the checkpoint: {', '.join(missing[:10])}")
+        if unexpected:
+            lines.append(f"in the checkpoint but not in the model: {', '.join(unexpected[:10])}")
+        if wrong:
+            lines.append(
+                "different shapes: "
+                + ", ".join(f"{n} {tuple(stored[n])} in the checkpoint vs {tuple(expected[n])}" for n in wrong[:10])
+            )
+        raise CheckpointMismatchError(
+            "the checkpoint was written for another model: " + "; ".join(lines) + ". Load it into the model that "
+            "wrote it, or load weights only with strict=False where names differ on purpose."
+        )
+
+
+def _optimizer_target(
+    model: ShardedModel, optimizer: Optimizer, index: int, saved: dict[str, Any], mesh: DeviceMesh
+) -> dict[str, tuple[Any, tuple[nn.Parameter, str]]]:
+    """Freshly allocated tensors for every saved state entry of ``optimizer``'s parameters on this rank."""
+    names = param_names(model)
+    prefix = f"optim/{index}/"
+    wanted: dict[str, tuple[Any, tuple[nn.Parameter, str]]] = {}
+    for group in optimizer.param_groups:
+        for shard_param in group["params"]:
+            param, piece = model._param_of[shard_param]
+            name = names[param]
+            head = f"{prefix}{name}/"
+            for key, meta in saved.items():
+                if not key.startswith(head) or not isinstance(meta, TensorStorageMetadata):
+                    continue
+                state_key = key[len(head) :]
+                dtype = meta.properties.dtype
+                if list(meta.size) == [param.numel()] and (param.dim() > 0 or state_key != "step"):
+                    local = torch.zeros(piece.numel, dtype=dtype, device=shard_param.device)
+                    value: Any = _piece(local, piece.param_offset, param.numel(), mesh) if piece.numel else local
+                    wanted[key] = (value, (shard_param, state_key)) if piece.numel else (None, (shard_param, state_key))
+                else:
+                    wanted[key] = (torch.zeros(meta.size, dtype=dtype), (shard_param, state_key))
+    return {k: v for k, v in wanted.items()}
+
+
+def _install_optimizer_state(
+    model: ShardedModel, optimizer: Optimizer, wanted: dict[str, tuple[Any, tuple[nn.Parameter, str]]], meta: dict
+) -> None:
+    names = param_names(model)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    index_of = {names[model._param_of[p][0]]: i for i, p in enumerate(params)}
+    position = {id(p): i for i, p in enumerate(params)}
+    state: dict[int, dict[str, Any]] = {}
+    for value, (shard_param, key) in wanted.values():
+        if value is None:  # an empty piece on this rank
+            value = torch.zeros(0, dtype=shard_param.dtype, device=shard_param.device)
+        elif isinstance(value, DTensor):
+            value = value.to_local().local_shards()[0]
+        state.setdefault(position[id(shard_param)], {})[key] = value
+    groups = []
+    if len(meta["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer has {len(meta['param_groups'])} param groups, "
+            f"{type(optimizer).__name__} has {len(optimizer.param_groups)}: configure_optimizers changed"
+        )
+    for saved_group, group in zip(meta["param_groups"], optimizer.param_groups):
+        if sorted(saved_group["params"]) != sorted(names[model._param_of[p][0]] for p in group["params"]):
+            raise CheckpointMismatchError("a param group of the checkpoint holds other parameters than the optimizer's")
+        groups.append({**saved_group, "params": [index_of[n] for n in saved_group["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def consolidate_state(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """The full, DDP-shaped checkpoint of a sharded one, on one process (no process group, no GPU).
+
+    ``meta`` is the content of ``meta.pt``; the result adds ``state_dict`` and ``optimizer_states``
+    as ``DDPStrategy`` would have saved them.
+    """
+    zero_meta = meta["lightning_zero"]
+    saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+    full = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in saved.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
+    dcp.load(full, checkpoint_id=directory, no_dist=True)
+    shapes = zero_meta["params"]
+    state_dict: dict[str, Any] = {}
+    for key in zero_meta["state_dict_keys"]:
+        name = zero_meta["aliases"].get(key, key)
+        if name in shapes:
+            state_dict[key] = full[MODEL_PREFIX + name].view(shapes[name])
+        elif key in zero_meta["extra_state"]:
+            state_dict[key] = zero_meta["extra_state"][key]
+        else:
+            state_dict[key] = full[MODEL_PREFIX + key]
+    optimizer_states = []
+    for index, optim_meta in enumerate(zero_meta["optimizers"]):
+        order = [n for g in optim_meta["param_groups"] for n in g["params"]]
+        state: dict[int, dict[str, Any]] = {}
+        for position, name in enumerate(order):
+            head = f"optim/{index}/{name}/"
+            for key in (k for k in full if k.startswith(head)):
+                value = full[key]
+                state_key = key[len(head) :]
+                per_element = value.dim() == 1 and value.numel() == math.prod(shapes[name])
+                if per_element and (len(shapes[name]) > 0 or state_key != "step"):
+                    value = value.view(shapes[name])
+                state.setdefault(position, {})[state_key] = value
+        groups, start = [], 0
+        for group in optim_meta["param_groups"]:
+            groups.append({**group, "params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        optimizer_states.append({"state": state, "param_groups": groups})
+    checkpoint = {k: v for k, v in meta.items() if k != "lightning_zero"}
+    checkpoint["state_dict"] = state_dict
+    if "optimizer_states" in meta or zero_meta["optimizers"]:
+        checkpoint["optimizer_states"] = optimizer_states
+    return checkpoint
