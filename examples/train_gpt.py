@@ -392,6 +392,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--strategy", default="zero3", help="any strategy Trainer accepts: ddp, zero1, zero2, zero3, ...")
     p.add_argument("--devices", default="2", help="number of devices/processes, or 'auto'")
+    p.add_argument("--num-nodes", type=int, default=1, help="machines in the job (torchrun --nnodes, SLURM nodes)")
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--max-steps", type=int, default=200)
@@ -448,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=args.strategy,
         precision=args.precision,
         max_steps=args.max_steps,

@@ -16,13 +16,14 @@ from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -52,15 +53,15 @@ from lightning_zero.engine import Comm, ShardedModel, module_class_policy, owns_
 from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
 from lightning_zero.engine.files import remove
 from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies.options import (
+    CheckpointFormat,
+    StartMethod,
+    check_option_names,
+    validate_options,
+)
 from lightning_zero.strategies.precision import ZeROPrecision
 
 log = logging.getLogger(__name__)
-
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-CheckpointFormat = Literal["sharded", "full"]
-_CHECKPOINT_FORMATS = ("sharded", "full")
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 
 
 class ZeROStrategy(ParallelStrategy):
@@ -81,6 +82,10 @@ class ZeROStrategy(ParallelStrategy):
             sharded, ``lightning_module_state_dict()`` returns those shards. ``"full"``: one ordinary
             ``.ckpt`` file with the full state, exactly what ``DDPStrategy`` writes. Both load at
             any world size and under any stage; see ``docs/checkpoints.md``.
+        log_stats: Log, through the Trainer's loggers, after every optimizer step: bytes sent and seconds
+            spent per kind of collective (this rank), the longest time any rank spent in collectives,
+            and this rank's model-state bytes (parameters, gathered parameters, gradients, optimizer
+            states). Costs one small all-reduce per step.
         start_method: How Lightning starts processes when it launches them itself: ``"popen"``
             (re-runs the script, the default, as for ``DDPStrategy``), ``"spawn"``, ``"fork"``
             or ``"forkserver"``.
@@ -90,6 +95,11 @@ class ZeROStrategy(ParallelStrategy):
 
     stage: ClassVar[int]
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> ZeROStrategy:
+        # Before __init__, so that a misspelt option lists the valid ones instead of Python's bare TypeError.
+        check_option_names(cls, kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         unit_modules: Sequence[type[Module] | str] | None = None,
@@ -97,6 +107,7 @@ class ZeROStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
         checkpoint_format: CheckpointFormat = "sharded",
+        log_stats: bool = False,
         start_method: StartMethod = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -104,9 +115,15 @@ class ZeROStrategy(ParallelStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
-        _validate_options(unit_modules, broadcast_buffers, process_group_backend, timeout, start_method)
-        if checkpoint_format not in _CHECKPOINT_FORMATS:
-            raise ValueError(f"checkpoint_format must be one of {_CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+        validate_options(
+            unit_modules=unit_modules,
+            broadcast_buffers=broadcast_buffers,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            checkpoint_format=checkpoint_format,
+            start_method=start_method,
+            log_stats=log_stats,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -120,6 +137,7 @@ class ZeROStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self.checkpoint_format = checkpoint_format
+        self.log_stats = log_stats
         self._mesh: DeviceMesh | None = None
         self._num_nodes = 1
         self._sharded: ShardedModel | None = None
@@ -308,7 +326,32 @@ class ZeROStrategy(ParallelStrategy):
         if self.lightning_module.automatic_optimization:
             self.sharded_model.end_step()
         self.sharded_model.after_optimizer_step(_unwrap(optimizer))
+        if self.log_stats:
+            self._log_stats()
         return output
+
+    def _log_stats(self) -> None:
+        """Per-step communication and memory figures to the Trainer's loggers (see ``log_stats``)."""
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        sharded = self.sharded_model
+        stats = sharded.comm.stats
+        seconds = torch.tensor([sum(s.seconds for s in stats.by_kind.values())], device=self.root_device)
+        sharded.comm.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)  # the slowest rank bounds the step
+        metrics: dict[str, float] = {
+            "zero/comm_bytes": float(stats.bytes_sent),
+            "zero/comm_seconds_max": seconds.item(),
+        }
+        for kind, entry in stats.by_kind.items():
+            if kind == "all_reduce" and entry.bytes_sent == 0:
+                continue
+            metrics[f"zero/{kind}_bytes"] = float(entry.bytes_sent)
+            metrics[f"zero/{kind}_seconds"] = entry.seconds
+            metrics[f"zero/{kind}_calls"] = float(entry.calls)
+        metrics.update({f"zero/memory_{k}_bytes": float(v) for k, v in sharded.memory_stats().items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        stats.reset()
 
     @contextmanager
     @override
@@ -440,29 +483,15 @@ def _unwrap(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _validate_options(unit_modules: Any, broadcast_buffers: Any, backend: Any, timeout: Any, start_method: Any) -> None:
-    if unit_modules is not None:
-        if isinstance(unit_modules, (str, type)) or not isinstance(unit_modules, Sequence):
-            raise TypeError(
-                f"unit_modules must be a list of module classes or class names, got {unit_modules!r}; "
-                "for example unit_modules=[Block] or unit_modules=['Block']"
-            )
-        for entry in unit_modules:
-            if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, Module))):
-                raise TypeError(f"unit_modules entries must be nn.Module subclasses or class names, got {entry!r}")
-    if not isinstance(broadcast_buffers, bool):
-        raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
-    if backend is not None and (not isinstance(backend, str) or not _valid_backend(backend)):
-        raise ValueError(
-            f"process_group_backend={backend!r} is not a torch.distributed backend; use one of {_BACKENDS} "
-            "(or a device map such as 'cpu:gloo,cuda:nccl'), or leave it unset"
-        )
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
-    if start_method not in _START_METHODS:
-        raise ValueError(f"start_method must be one of {_START_METHODS}, got {start_method!r}")
-
-
-def _valid_backend(backend: str) -> bool:
-    parts = [p.split(":")[-1] for p in backend.split(",")]
-    return all(p in _BACKENDS for p in parts)
+def register_presets(registry: _StrategyRegistry, cls: type[ZeROStrategy], name: str, description: str) -> None:
+    """``name`` and its variants, as Lightning registers ``ddp``, ``ddp_spawn``, ``ddp_fork``, ..."""
+    presets: dict[str, tuple[str, dict[str, Any]]] = {
+        name: ("", {}),
+        f"{name}_spawn": (", processes started with 'spawn'", {"start_method": "spawn"}),
+        f"{name}_fork": (", processes forked (notebooks)", {"start_method": "fork"}),
+        f"{name}_full_checkpoint": (", one full DDP-shaped checkpoint file", {"checkpoint_format": "full"}),
+        f"{name}_stats": (", communication and memory logged every step", {"log_stats": True}),
+    }
+    for preset, (extra, init_params) in presets.items():
+        if preset not in registry:
+            registry.register(preset, cls, description=description + extra, **init_params)

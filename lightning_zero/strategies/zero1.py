@@ -7,7 +7,7 @@ from typing import ClassVar
 from lightning.fabric.strategies import _StrategyRegistry
 from typing_extensions import override
 
-from lightning_zero.strategies.base import ZeROStrategy
+from lightning_zero.strategies.base import ZeROStrategy, register_presets
 
 
 class ZeRO1Strategy(ZeROStrategy):
@@ -35,4 +35,4 @@ class ZeRO1Strategy(ZeROStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register("zero1", cls, description="ZeRO stage 1: optimizer states sharded")
+        register_presets(strategy_registry, cls, "zero1", "ZeRO stage 1: optimizer states sharded")

@@ -7,7 +7,7 @@ from typing import ClassVar
 from lightning.fabric.strategies import _StrategyRegistry
 from typing_extensions import override
 
-from lightning_zero.strategies.base import ZeROStrategy
+from lightning_zero.strategies.base import ZeROStrategy, register_presets
 
 
 class ZeRO3Strategy(ZeROStrategy):
@@ -36,6 +36,6 @@ class ZeRO3Strategy(ZeROStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            "zero3", cls, description="ZeRO stage 3: optimizer states, gradients and parameters sharded"
+        register_presets(
+            strategy_registry, cls, "zero3", "ZeRO stage 3: optimizer states, gradients and parameters sharded"
         )

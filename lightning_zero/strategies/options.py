@@ -1,0 +1,72 @@
+"""Validation of the strategies' options: wrong values fail at construction, on every rank, with a
+message that says what to pass instead."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+from torch.nn import Module
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+CheckpointFormat = Literal["sharded", "full"]
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+CHECKPOINT_FORMATS = ("sharded", "full")
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+
+
+def check_option_names(cls: type, kwargs: dict[str, Any]) -> None:
+    """Refuse keyword arguments ``cls.__init__`` does not take, listing the ones it does."""
+    valid = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+    unknown = [name for name in kwargs if name not in valid]
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, valid, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise TypeError(f"{cls.__name__} has no option {', '.join(hints)}. Valid options: {', '.join(valid)}.")
+
+
+def validate_options(
+    unit_modules: Any,
+    broadcast_buffers: Any,
+    process_group_backend: Any,
+    timeout: Any,
+    checkpoint_format: Any,
+    start_method: Any,
+    log_stats: Any,
+) -> None:
+    if unit_modules is not None:
+        if isinstance(unit_modules, (str, type)) or not isinstance(unit_modules, Sequence):
+            raise TypeError(
+                f"unit_modules must be a list of module classes or class names, got {unit_modules!r}; "
+                "for example unit_modules=[Block] or unit_modules=['Block']"
+            )
+        for entry in unit_modules:
+            if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, Module))):
+                raise TypeError(f"unit_modules entries must be nn.Module subclasses or class names, got {entry!r}")
+    for name, value in (("broadcast_buffers", broadcast_buffers), ("log_stats", log_stats)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if process_group_backend is not None and (
+        not isinstance(process_group_backend, str) or not _valid_backend(process_group_backend)
+    ):
+        raise ValueError(
+            f"process_group_backend={process_group_backend!r} is not a torch.distributed backend; use one of "
+            f"{BACKENDS} (or a device map such as 'cpu:gloo,cuda:nccl'), or leave it unset"
+        )
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+
+
+def _valid_backend(backend: str) -> bool:
+    parts = [p.split(":")[-1] for p in backend.split(",")]
+    return all(p in BACKENDS for p in parts)
