@@ -241,9 +241,17 @@ class GPTLightning(L.LightningModule):
             }
         )
         self.config = config
-        self.model = GPT(config)
+        self.model: GPT | None = None
+
+    def configure_model(self) -> None:
+        # Built here, not in __init__: Lightning calls this hook once the strategy is set up, inside
+        # its model-creation context, which is where a large model should come into existence.
+        # It may be called again (fit, then validate): keep the model already built.
+        if self.model is None:
+            self.model = GPT(self.config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        assert self.model is not None, "the model is built in configure_model(), called by the Trainer"
         return self.model(idx)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
