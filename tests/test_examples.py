@@ -1,0 +1,63 @@
+"""The examples run for real (tiny settings) and agree with DDP."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed import spawn
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8"]
+
+
+def load_example(name: str) -> Any:
+    """Import ``examples/<name>.py`` as a module (examples are scripts, not a package)."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it is executing
+    spec.loader.exec_module(module)
+    return module
+
+
+def _finetune(rank: int, world_size: int, root: str) -> dict[str, Any] | None:
+    example = load_example("finetune_gpt")
+    train_gpt = sys.modules["train_gpt"]
+    pretrained = Path(root, "pretrained.pt")
+    if rank == 0:
+        text = train_gpt.DEFAULT_DATA.read_text(encoding="utf-8")
+        config = train_gpt.GPTConfig(
+            block_size=16, vocab_size=train_gpt.CharTokenizer(text).vocab_size, n_layer=2, n_head=2, n_embd=32
+        )
+        torch.manual_seed(7)
+        torch.save(train_gpt.GPT(config).state_dict(), pretrained)
+    dist.barrier()
+    common = [*TINY, "--max-steps", "6", "--freeze-layers", "1", "--pretrained", str(pretrained)]
+    common += ["--devices", str(world_size)]
+    runs = {s: example.main([*common, "--strategy", s, "--output", f"{root}/{s}"]) for s in ("ddp", "zero3")}
+    if rank != 0:
+        return None
+    initial = torch.load(pretrained, weights_only=True)
+    ddp, zero3 = runs["ddp"], runs["zero3"]
+    assert zero3["val_loss"] == ddp["val_loss"]
+    assert zero3["trainable"] < zero3["total"]
+    for key, value in ddp["state"].items():
+        assert torch.equal(zero3["state"][key], value), key
+        frozen = key.startswith(("wte.", "wpe.", "lm_head.", "h.0."))
+        assert torch.equal(value, initial[key]) == frozen, key  # frozen stay put, the rest trained
+    return {"val_loss": zero3["val_loss"]}
+
+
+def test_finetune_example_freezes_under_zero3_like_ddp() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = spawn(_finetune, world_size=2, root=root)
+    assert results[0]["val_loss"] > 0
