@@ -23,7 +23,6 @@ import torch
 import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -60,6 +59,7 @@ from lightning_zero.strategies.options import (
     validate_options,
 )
 from lightning_zero.strategies.precision import ZeROPrecision
+from lightning_zero.strategies.stats import log_step_stats
 
 log = logging.getLogger(__name__)
 
@@ -327,31 +327,8 @@ class ZeROStrategy(ParallelStrategy):
             self.sharded_model.end_step()
         self.sharded_model.after_optimizer_step(_unwrap(optimizer))
         if self.log_stats:
-            self._log_stats()
+            log_step_stats(self)
         return output
-
-    def _log_stats(self) -> None:
-        """Per-step communication and memory figures to the Trainer's loggers (see ``log_stats``)."""
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        sharded = self.sharded_model
-        stats = sharded.comm.stats
-        seconds = torch.tensor([sum(s.seconds for s in stats.by_kind.values())], device=self.root_device)
-        sharded.comm.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)  # the slowest rank bounds the step
-        metrics: dict[str, float] = {
-            "zero/comm_bytes": float(stats.bytes_sent),
-            "zero/comm_seconds_max": seconds.item(),
-        }
-        for kind, entry in stats.by_kind.items():
-            if kind == "all_reduce" and entry.bytes_sent == 0:
-                continue
-            metrics[f"zero/{kind}_bytes"] = float(entry.bytes_sent)
-            metrics[f"zero/{kind}_seconds"] = entry.seconds
-            metrics[f"zero/{kind}_calls"] = float(entry.calls)
-        metrics.update({f"zero/memory_{k}_bytes": float(v) for k, v in sharded.memory_stats().items()})
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        stats.reset()
 
     @contextmanager
     @override
@@ -481,17 +458,3 @@ class ZeROStrategy(ParallelStrategy):
 
 def _unwrap(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def register_presets(registry: _StrategyRegistry, cls: type[ZeROStrategy], name: str, description: str) -> None:
-    """``name`` and its variants, as Lightning registers ``ddp``, ``ddp_spawn``, ``ddp_fork``, ..."""
-    presets: dict[str, tuple[str, dict[str, Any]]] = {
-        name: ("", {}),
-        f"{name}_spawn": (", processes started with 'spawn'", {"start_method": "spawn"}),
-        f"{name}_fork": (", processes forked (notebooks)", {"start_method": "fork"}),
-        f"{name}_full_checkpoint": (", one full DDP-shaped checkpoint file", {"checkpoint_format": "full"}),
-        f"{name}_stats": (", communication and memory logged every step", {"log_stats": True}),
-    }
-    for preset, (extra, init_params) in presets.items():
-        if preset not in registry:
-            registry.register(preset, cls, description=description + extra, **init_params)

@@ -7,7 +7,8 @@ from typing import ClassVar
 from lightning.fabric.strategies import _StrategyRegistry
 from typing_extensions import override
 
-from lightning_zero.strategies.base import ZeROStrategy, register_presets
+from lightning_zero.strategies.base import ZeROStrategy
+from lightning_zero.strategies.registry import register_presets
 
 
 class ZeRO3Strategy(ZeROStrategy):

@@ -1,0 +1,31 @@
+"""``log_stats=True``: per-step communication and memory figures, through the Trainer's loggers."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_zero.strategies.base import ZeROStrategy
+
+
+def log_step_stats(strategy: ZeROStrategy) -> None:
+    """Log what the last optimizer step cost (this rank's bytes and seconds per collective, the slowest
+    rank's seconds, this rank's model-state bytes), then start counting the next step afresh."""
+    module = strategy.lightning_module
+    assert module is not None
+    trainer = module.trainer
+    sharded = strategy.sharded_model
+    stats = sharded.comm.stats
+    seconds = torch.tensor([sum(s.seconds for s in stats.by_kind.values())], device=strategy.root_device)
+    sharded.comm.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)  # the slowest rank bounds the step
+    metrics = {"zero/comm_bytes": float(stats.bytes_sent), "zero/comm_seconds_max": seconds.item()}
+    for kind, entry in stats.by_kind.items():
+        metrics[f"zero/{kind}_bytes"] = float(entry.bytes_sent)
+        metrics[f"zero/{kind}_seconds"] = entry.seconds
+        metrics[f"zero/{kind}_calls"] = float(entry.calls)
+    metrics.update({f"zero/memory_{k}_bytes": float(v) for k, v in sharded.memory_stats().items()})
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+    stats.reset()
