@@ -16,14 +16,9 @@ from unittest import mock
 import lightning as L
 import pytest
 from lightning.pytorch.callbacks import Callback
-from lightning_utilities.core.imports import RequirementCache
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
 from tests.distributed import spawn
-
-_CLI_AVAILABLE = RequirementCache("jsonargparse[signatures]>=4.27.7")  # what LightningCLI itself requires
-if not _CLI_AVAILABLE:
-    pytest.skip(f"LightningCLI needs {_CLI_AVAILABLE!s}", allow_module_level=True)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "examples" / "cli" / "configs"
