@@ -247,3 +247,40 @@ def test_pickled_code_is_not_loaded_unless_allowed(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="weights_only=False"):
         consolidate_checkpoint(path)
     assert lightning_zero.consolidate_checkpoint(path, weights_only=False)["payload"] is not None
+
+
+class OneNumber(L.LightningModule):
+    """A single one-element parameter: on two ranks, rank 1's shard holds only padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([2.0]))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return (self.weight * batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 1)), batch_size=2)
+
+
+def _save_with_an_empty_shard(rank: int, world_size: int, root: str) -> float:
+    trainer = quiet_trainer(strategy="zero3", devices=world_size, max_steps=2)
+    model = OneNumber()
+
+    class SaveMidway(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            trainer.save_checkpoint(f"{root}/tiny.ckpt")  # every rank joins, even one with nothing to write
+
+    trainer.callbacks.append(SaveMidway())
+    trainer.fit(model)
+    resumed = OneNumber()
+    quiet_trainer(strategy="zero1", devices=world_size, max_steps=3).fit(resumed, ckpt_path=f"{root}/tiny.ckpt")
+    return float(resumed.weight)
+
+
+def test_a_rank_with_an_empty_shard_still_saves_and_loads(tmp_path: Path) -> None:
+    weights = spawn(_save_with_an_empty_shard, world_size=2, timeout=120, root=str(tmp_path))
+    assert weights[0] == weights[1] and weights[0] != 2.0

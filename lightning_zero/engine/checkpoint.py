@@ -11,7 +11,9 @@ states (``exp_avg``, ...) are saved the same way under ``optim/<i>/<name>/<key>`
 (``step``) and buffers are plain replicated tensors. What is not a tensor (param groups, shapes,
 the names of tied aliases, Lightning's loops and callbacks) goes into ``meta.pt``.
 
-Nothing here gathers a full parameter: saving and loading move shards only.
+Saving moves shards only; nothing gathers a full parameter. Loading reads each rank's pieces
+straight into its shards; under stages 1 and 2 one all-gather per unit then refreshes the full
+parameters every rank keeps anyway.
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ def load_sharded(
     dcp.load(target, storage_reader=reader)
     for unit in model.units:
         unit.gather_updated_shards()
+    if zero_meta["extra_state"]:  # modules' get_extra_state(): restored through their set_extra_state()
+        model.module.load_state_dict(zero_meta["extra_state"], strict=False)
     for index, (optimizer, wanted) in enumerate(zip(optimizers, optimizer_targets)):
         _install_optimizer_state(model, optimizer, wanted, zero_meta["optimizers"][index])
 
@@ -156,7 +160,13 @@ def load_sharded(
 def _check_names(model: ShardedModel, zero_meta: dict[str, Any], saved: dict[str, Any], strict: bool) -> None:
     expected = {name: list(p.shape) for p, name in param_names(model).items()}
     stored = zero_meta["params"]
-    missing = sorted(set(expected) - set(stored))
+    params = {id(p) for p in param_names(model)}
+    buffers = [
+        name
+        for name, value in model.module.state_dict(keep_vars=True).items()
+        if isinstance(value, torch.Tensor) and id(value) not in params
+    ]
+    missing = sorted(set(expected) - set(stored)) + [b for b in buffers if MODEL_PREFIX + b not in saved]
     unexpected = sorted(set(stored) - set(expected))
     wrong = sorted(n for n in set(expected) & set(stored) if expected[n] != list(stored[n]))
     if wrong or (strict and (missing or unexpected)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ def replace_directory(new: Path, path: Path) -> None:
     os.replace(path, aside)
     os.replace(new, path)
     remove(aside)
+    remove_leftovers(path)
 
 
 def remove(path: Path) -> None:
@@ -65,5 +67,19 @@ def find_checkpoint(path: Path) -> Path:
         return path
     aside = sorted(path.parent.glob(f".{path.name}{ASIDE}*"), key=lambda p: p.stat().st_mtime)
     if aside:
+        warnings.warn(
+            f"{str(path)!r} does not exist, but a save to it was interrupted: loading the previous checkpoint "
+            f"from {str(aside[-1])!r}",
+            stacklevel=2,
+        )
         return aside[-1]
     raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+
+
+def remove_leftovers(path: Path) -> None:
+    """Delete what interrupted saves to ``path`` left behind; only once ``path`` itself is complete."""
+    if not path.exists():
+        return
+    for pattern in (f".{path.name}{TMP}*", f".{path.name}{ASIDE}*"):
+        for leftover in path.parent.glob(pattern):
+            remove(leftover)

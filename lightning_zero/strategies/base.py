@@ -50,7 +50,7 @@ from typing_extensions import override
 
 from lightning_zero.engine import Comm, ShardedModel, module_class_policy, owns_parameters
 from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
-from lightning_zero.engine.files import remove
+from lightning_zero.engine.files import find_checkpoint, remove
 from lightning_zero.strategies import checkpointing
 from lightning_zero.strategies.options import (
     CheckpointFormat,
@@ -356,6 +356,11 @@ class ZeROStrategy(ParallelStrategy):
         return [_unwrap(o) for o in self.optimizers]
 
     @property
+    def writes_sharded_checkpoints(self) -> bool:
+        """Whether ``save_checkpoint`` writes a sharded directory now (sharded model, ``"sharded"`` format)."""
+        return self._sharded is not None and self.checkpoint_format == "sharded"
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         """A 1-D mesh over all ranks, for ``torch.distributed.checkpoint``."""
         if self._mesh is None:
@@ -382,7 +387,7 @@ class ZeROStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """This rank's shards with ``checkpoint_format="sharded"`` (what a sharded checkpoint saves), the
         full state dict with ``"full"`` or when not sharded; a collective: call on all ranks."""
-        if self._sharded is not None and self.checkpoint_format == "sharded":
+        if self._sharded is not None and self.writes_sharded_checkpoints:
             return sharded_model_state(self._sharded, self.device_mesh)
         return self.full_state_dict()
 
@@ -420,7 +425,7 @@ class ZeROStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if self._sharded is None:
-            return checkpointing.read_meta(path, weights_only)
+            return checkpointing.read_meta(find_checkpoint(path), weights_only)
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return checkpointing.load(self, path, weights_only, with_optimizers=fitting)
 

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from lightning_zero.engine.checkpoint import (
     META_FILE,
@@ -39,17 +38,17 @@ if TYPE_CHECKING:
 SHARDED_KEYS = ("state_dict", "optimizer_states")
 
 
-def is_sharded(checkpoint: dict[str, Any]) -> bool:
-    """Whether Lightning's checkpoint dict holds shards (built while sharded, ``checkpoint_format="sharded"``)."""
-    return any(isinstance(v, DTensor) for v in checkpoint.get("state_dict", {}).values())
-
-
 def save(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
     """Write ``checkpoint`` at ``path`` (call on every rank)."""
-    if not is_sharded(checkpoint):
+    # Decided from the strategy, the same on every rank: a rank whose shards happen to be empty
+    # (tiny parameters, many ranks) must still join the collective save.
+    if not strategy.writes_sharded_checkpoints:
         if strategy.is_global_zero:
             atomic_torch_save(checkpoint, path)
         return
+    # Built on every rank (it is cheap), so that a problem raises everywhere instead of stranding the others.
+    optimizers = strategy.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
+    zero_meta = checkpoint_meta(strategy.sharded_model, optimizers)
     token = strategy.broadcast(uuid.uuid4().hex)
     tmp = temporary_path(path, token)
     shards: dict[str, Any] = dict(checkpoint["state_dict"])
@@ -58,8 +57,7 @@ def save(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None
     save_sharded(shards, tmp)
     if strategy.is_global_zero:
         meta = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
-        optimizers = [strategy.unwrapped_optimizers[i] for i in range(len(checkpoint.get("optimizer_states", [])))]
-        meta["lightning_zero"] = checkpoint_meta(strategy.sharded_model, optimizers)
+        meta["lightning_zero"] = zero_meta
         atomic_torch_save(meta, tmp / META_FILE)
     strategy.barrier("lightning_zero.save")
     if strategy.is_global_zero:
@@ -93,14 +91,22 @@ def load(strategy: ZeROStrategy, path: Path, weights_only: bool | None, with_opt
     sharded_model = strategy.sharded_model
     optimizers = strategy.unwrapped_optimizers if with_optimizers else []
     if path.is_dir():
+        if "lightning_zero" not in checkpoint:
+            raise ValueError(
+                f"{str(path)!r} is a sharded checkpoint written by another tool (its {META_FILE} has no "
+                "lightning_zero section); convert it to a full checkpoint with that tool first"
+            )
         zero_meta = checkpoint.pop("lightning_zero")
+        if with_optimizers and not zero_meta["optimizers"]:
+            raise KeyError(
+                "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to "
+                "`ModelCheckpoint.save_weights_only` being set to `True`."
+            )
         if with_optimizers and len(zero_meta["optimizers"]) != len(optimizers):
             raise ValueError(
                 f"the checkpoint has {len(zero_meta['optimizers'])} optimizers, configure_optimizers returned "
                 f"{len(optimizers)}: resume with the same optimizers"
             )
-        if not zero_meta["optimizers"]:
-            optimizers = []
         load_sharded(sharded_model, optimizers, path, zero_meta, strategy.device_mesh, strict=strict)
         return checkpoint
     sharded_model.load_full_state_dict(checkpoint["state_dict"], strict=strict)
