@@ -177,6 +177,28 @@ class ShardedModel:
         self.comm.all_reduce(total)
         return total ** (1.0 / norm_type)
 
+    def nonfinite_grads(self, optimizer: Optimizer) -> tuple[list[int], list[str]]:
+        """Which ranks hold an ``inf``/``NaN`` in ``optimizer``'s sharded gradients (the same list on every
+        rank, one all-reduce), and the names of this rank's offending parameters."""
+        local = []
+        for group in optimizer.param_groups:
+            for shard_param in group["params"]:
+                grad = shard_param.grad
+                if grad is not None and grad.numel() and not bool(torch.isfinite(grad).all()):
+                    param, _ = self._param_of[shard_param]
+                    unit = self._unit_of[shard_param]
+                    local.append(_name_in(unit, param))
+        flags = torch.zeros(self.comm.world_size, device=self.units[0].device)
+        flags[self.comm.rank] = float(bool(local))
+        self.comm.all_reduce(flags)
+        return [r for r in range(self.comm.world_size) if flags[r] > 0], local
+
+    def drop_grads(self, optimizer: Optimizer) -> None:
+        """Forget ``optimizer``'s sharded gradients, so that its next ``step()`` changes nothing."""
+        for group in optimizer.param_groups:
+            for shard_param in group["params"]:
+                shard_param.grad = None
+
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale ``optimizer``'s sharded gradients so that their global norm is at most ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` does for full gradients; return the norm before clipping."""
@@ -330,3 +352,7 @@ def _storage_bytes(tensors: Any) -> int:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
+
+
+def _name_in(unit: ShardedUnit, param: nn.Parameter) -> str:
+    return next(name for p, name in zip(unit.params, unit.param_names) if p is param)

@@ -52,13 +52,14 @@ from lightning_zero.engine import Comm, ShardedModel, module_class_policy, owns_
 from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
 from lightning_zero.engine.files import find_checkpoint, remove
 from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies.errors import explain_peer_failure
 from lightning_zero.strategies.options import (
     CheckpointFormat,
     StartMethod,
     check_option_names,
     validate_options,
 )
-from lightning_zero.strategies.precision import ZeROPrecision
+from lightning_zero.strategies.precision import NonFinitePolicy, ZeROPrecision
 from lightning_zero.strategies.stats import log_step_stats
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,10 @@ class ZeROStrategy(ParallelStrategy):
             spent per kind of collective (this rank), the longest time any rank spent in collectives,
             and this rank's model-state bytes (parameters, gathered parameters, gradients, optimizer
             states). Costs one small all-reduce per step.
+        nonfinite_grads: What to do when a gradient holds ``inf`` or ``NaN`` before an optimizer step
+            (checked across all ranks): ``"raise"`` (default) stops with an error naming the ranks and
+            parameters, ``"skip"`` skips that step on every rank (counted in
+            ``strategy.skipped_steps``, warned), ``"ignore"`` steps anyway as DDP does.
         start_method: How Lightning starts processes when it launches them itself: ``"popen"``
             (re-runs the script, the default, as for ``DDPStrategy``), ``"spawn"``, ``"fork"``
             or ``"forkserver"``.
@@ -108,6 +113,7 @@ class ZeROStrategy(ParallelStrategy):
         timeout: timedelta = default_pg_timeout,
         checkpoint_format: CheckpointFormat = "sharded",
         log_stats: bool = False,
+        nonfinite_grads: NonFinitePolicy = "raise",
         start_method: StartMethod = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -123,6 +129,7 @@ class ZeROStrategy(ParallelStrategy):
             checkpoint_format=checkpoint_format,
             start_method=start_method,
             log_stats=log_stats,
+            nonfinite_grads=nonfinite_grads,
         )
         super().__init__(
             accelerator=accelerator,
@@ -138,6 +145,7 @@ class ZeROStrategy(ParallelStrategy):
         self._start_method = start_method
         self.checkpoint_format = checkpoint_format
         self.log_stats = log_stats
+        self.nonfinite_grads = nonfinite_grads
         self._mesh: DeviceMesh | None = None
         self._num_nodes = 1
         self._sharded: ShardedModel | None = None
@@ -245,6 +253,7 @@ class ZeROStrategy(ParallelStrategy):
         )
         assert isinstance(self.precision_plugin, ZeROPrecision)
         self.precision_plugin.sharded_model = self._sharded
+        self.precision_plugin.nonfinite_grads = self.nonfinite_grads
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
@@ -263,6 +272,7 @@ class ZeROStrategy(ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another rank may not reach the collectives that a full teardown needs: do not wait for it.
         self._failed = True
+        explain_peer_failure(exception)
 
     @override
     def teardown(self) -> None:
@@ -354,6 +364,11 @@ class ZeROStrategy(ParallelStrategy):
     @property
     def unwrapped_optimizers(self) -> list[Optimizer]:
         return [_unwrap(o) for o in self.optimizers]
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients (``nonfinite_grads="skip"``)."""
+        return self.precision_plugin.skipped_steps if isinstance(self.precision_plugin, ZeROPrecision) else 0
 
     @property
     def writes_sharded_checkpoints(self) -> bool:

