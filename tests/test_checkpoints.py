@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_zero
 from lightning_zero import ZeRO3Strategy, consolidate_checkpoint
-from lightning_zero.engine.checkpoint import CheckpointMismatchError
+from lightning_zero.engine.checkpoint import CheckpointMismatchError, CorruptCheckpointError
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
@@ -284,3 +284,66 @@ def _save_with_an_empty_shard(rank: int, world_size: int, root: str) -> float:
 def test_a_rank_with_an_empty_shard_still_saves_and_loads(tmp_path: Path) -> None:
     weights = spawn(_save_with_an_empty_shard, world_size=2, timeout=120, root=str(tmp_path))
     assert weights[0] == weights[1] and weights[0] != 2.0
+
+
+# ---------------------------------------------------------------------- damaged and hostile checkpoints
+def _copy(checkpoints: str, kind: str, tmp_path: Path) -> Path:
+    import shutil
+
+    target = tmp_path / "copy.ckpt"
+    shutil.copytree(Path(checkpoints, KINDS[kind][1]), target)
+    return target
+
+
+def test_truncated_shard_file_is_refused_before_anything_loads(checkpoints: str, tmp_path: Path) -> None:
+    damaged = _copy(checkpoints, "zero3", tmp_path)
+    shard = damaged / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CorruptCheckpointError, match=r"__1_0\.distcp' is truncated"):
+        consolidate_checkpoint(damaged)
+    spawn(_resume_from_damaged, world_size=2, timeout=120, path=str(damaged))
+
+
+def _resume_from_damaged(rank: int, world_size: int, path: str) -> None:
+    torch.manual_seed(3)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CorruptCheckpointError, match="is truncated"):
+        quiet_trainer(strategy="zero3", devices=world_size, max_epochs=2).fit(model, ckpt_path=path)
+    for key, value in before.items():  # refused before reading: the model holds what it held
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+class _Payload:
+    """Unpickling this would run ``os.system``: the metadata reader must never get that far."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_metadata_that_would_run_code_is_refused(checkpoints: str, tmp_path: Path) -> None:
+    import pickle
+
+    hostile = _copy(checkpoints, "zero1", tmp_path)
+    marker = tmp_path / "code-ran"
+    (hostile / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    with pytest.raises(CorruptCheckpointError, match=r"asks for posix\.system"):
+        consolidate_checkpoint(hostile)
+    assert not marker.exists()
+
+
+def test_metadata_pointing_outside_the_directory_is_refused(checkpoints: str, tmp_path: Path) -> None:
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    hostile = _copy(checkpoints, "zero1", tmp_path)
+    metadata = FileSystemReader(hostile).read_metadata()
+    for info in metadata.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (hostile / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CorruptCheckpointError, match="outside its directory"):
+        consolidate_checkpoint(hostile)

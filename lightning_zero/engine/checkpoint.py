@@ -19,6 +19,7 @@ parameters every rank keeps anyway.
 from __future__ import annotations
 
 import math
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
@@ -124,6 +125,86 @@ def checkpoint_meta(model: ShardedModel, optimizers: list[Optimizer]) -> dict[st
     }
 
 
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint's files are missing, truncated or not what a checkpoint holds; nothing was loaded."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: rebuild only the plain records it is made of, never other code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module == "torch.distributed.checkpoint.metadata"
+            or (module, name) in _ALLOWED_CLASSES
+            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"the checkpoint's metadata asks for {module}.{name}, which checkpoint metadata never needs; "
+                "refusing to run it (the file may be tampered with)"
+            )
+        return super().find_class(module, name)
+
+
+_ALLOWED_CLASSES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by ``_MetadataUnpickler`` and the files it points to
+    checked before anything is loaded: plain file names inside the directory, present, long enough."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = _MetadataUnpickler(stream).load()
+        except FileNotFoundError as err:
+            raise CorruptCheckpointError(
+                f"{str(self.path)!r} has no {Path(path).name}: not a complete checkpoint"
+            ) from err
+        except (EOFError, pickle.UnpicklingError, AttributeError, ValueError) as err:
+            raise CorruptCheckpointError(f"{str(path)!r} is damaged or not checkpoint metadata: {err}") from err
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        _check_files(Path(self.path), metadata)
+        return metadata
+
+
+def _check_files(directory: Path, metadata: Metadata) -> None:
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(info.relative_path)
+        if not name or Path(name).name != name or name in (".", ".."):
+            raise CorruptCheckpointError(
+                f"the checkpoint in {str(directory)!r} points to {name!r}, outside its directory: refusing to read it"
+            )
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in needed.items():
+        file = directory / name
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{str(file)!r} is missing: the checkpoint is incomplete")
+        if file.stat().st_size < size:
+            raise CorruptCheckpointError(
+                f"{str(file)!r} is truncated ({file.stat().st_size} bytes, {size} needed): the checkpoint is incomplete"
+            )
+
+
+def _tensor_keys_only(keys: Any, saved: dict[str, Any]) -> None:
+    """Refuse to read a requested entry that the metadata describes as pickled bytes (DCP would unpickle it)."""
+    for key in keys:
+        if key in saved and not isinstance(saved[key], TensorStorageMetadata):
+            raise CorruptCheckpointError(f"checkpoint entry {key!r} should be a tensor but is stored as pickled bytes")
+
+
 def save_sharded(state: dict[str, Any], directory: Path) -> None:
     """Every rank writes its pieces of ``state`` into ``directory`` (a collective)."""
     dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
@@ -139,7 +220,7 @@ def load_sharded(
 ) -> None:
     """Load a sharded checkpoint into ``model``'s shards and ``optimizers`` (a collective), whatever
     world size, stage or unit policy wrote it."""
-    reader = FileSystemReader(directory)
+    reader = SafeFileSystemReader(directory)
     saved = reader.read_metadata().state_dict_metadata
     _check_names(model, zero_meta, saved, strict)
     target = {k: v for k, v in sharded_model_state(model, mesh).items() if k in saved}
@@ -148,6 +229,7 @@ def load_sharded(
         wanted = _optimizer_target(model, optimizer, index, saved, mesh)
         optimizer_targets.append(wanted)
         target.update({k: v for k, (v, _) in wanted.items() if v is not None})
+    _tensor_keys_only(target, saved)
     dcp.load(target, storage_reader=reader)
     for unit in model.units:
         unit.gather_updated_shards()
@@ -246,13 +328,13 @@ def consolidate_state(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
     as ``DDPStrategy`` would have saved them.
     """
     zero_meta = meta["lightning_zero"]
-    saved = FileSystemReader(directory).read_metadata().state_dict_metadata
+    saved = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
     full = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in saved.items()
         if isinstance(m, TensorStorageMetadata)
     }
-    dcp.load(full, checkpoint_id=directory, no_dist=True)
+    dcp.load(full, storage_reader=SafeFileSystemReader(directory), no_dist=True)
     shapes = zero_meta["params"]
     state_dict: dict[str, Any] = {}
     for key in zero_meta["state_dict_keys"]:

@@ -305,11 +305,14 @@ class ShardedModel:
         """Remove every hook and make the module and its optimizers plain again: each parameter with
         its own full storage, each optimizer over the module's parameters with full per-parameter
         state (collectives: call on every rank). ``gather=False`` (after a failure on some rank,
-        when collectives could hang) only removes the hooks; the module stays sharded."""
+        when collectives could hang) uses no collective: stage-3 parameters, which only exist as
+        shards, become NaN, and optimizers keep stepping shards."""
         self.reducer.remove()
         if self.stage3 is not None:
             self.stage3.remove()
         if not gather:
+            for unit in self.units:
+                unit.release_without_peers()
             return
         for optimizer in self.optimizers:
             self._unbind_optimizer(optimizer)

@@ -144,6 +144,19 @@ class ShardedUnit:
             if self.state is UnitState.UNSHARDED:
                 self.flat.copy_(full)
 
+    def release_without_peers(self) -> None:
+        """After a failure other ranks may not share: make the parameters safe to touch without any
+        collective. A sharded (stage-3) unit cannot be rebuilt alone, so its parameters become NaN,
+        loud rather than silently wrong; reload them from a checkpoint."""
+        if self.state is UnitState.SHARDED:
+            self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
+            with torch.no_grad():
+                self.flat.fill_(float("nan"))
+        with torch.no_grad():
+            for param in self.params:
+                param.data = param.data.clone()
+        self.state = UnitState.UNSHARDED
+
     def release(self) -> None:
         """Give every parameter its own storage again (the module becomes a plain module)."""
         self.unshard()

@@ -52,7 +52,7 @@ from lightning_zero.engine import Comm, ShardedModel, module_class_policy, owns_
 from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
 from lightning_zero.engine.files import find_checkpoint, remove
 from lightning_zero.strategies import checkpointing
-from lightning_zero.strategies.errors import explain_peer_failure
+from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure
 from lightning_zero.strategies.options import (
     CheckpointFormat,
     StartMethod,
@@ -270,8 +270,9 @@ class ZeROStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Another rank may not reach the collectives that a full teardown needs: do not wait for it.
-        self._failed = True
+        # Another rank may not reach the collectives that a full teardown needs: do not wait for it,
+        # unless the error is one that every rank raises at the same point (ours, checked everywhere).
+        self._failed = not isinstance(exception, RAISED_ON_EVERY_RANK)
         explain_peer_failure(exception)
 
     @override

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import re
 
+from lightning_zero.engine.checkpoint import CheckpointMismatchError, CorruptCheckpointError
+from lightning_zero.engine.optimizer import UnsupportedOptimizerError
+from lightning_zero.strategies.precision import NonFiniteGradientError
+
+# Errors raised by checks that run identically on every rank at the same point, so that after one of
+# them all ranks can still take part in the collectives of a clean teardown.
+RAISED_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
+    CheckpointMismatchError,
+    CorruptCheckpointError,
+    UnsupportedOptimizerError,
+    NonFiniteGradientError,
+)
+
 _PEER_GONE = re.compile(
     r"Connection closed by peer|Connection reset by peer|remote process exited|Broken pipe|"
     r"ProcessGroupNCCL.*(?:abort|watchdog)|NCCL communicator was aborted",

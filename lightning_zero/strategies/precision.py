@@ -25,6 +25,10 @@ from lightning_zero.engine import ShardedModel
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held ``inf`` or ``NaN``; raised on every rank together, before the step."""
+
+
 class ZeROPrecision(Precision):
     """Full fp32 precision (``precision="32-true"``) for the ZeRO strategies.
 
@@ -58,7 +62,7 @@ class ZeROPrecision(Precision):
         step = model.trainer.global_step
         where = f"rank(s) {ranks}" + (f" (here: {', '.join(local[:5])})" if local else "")
         if self.nonfinite_grads == "raise":
-            raise FloatingPointError(
+            raise NonFiniteGradientError(
                 f"non-finite gradients (inf or NaN) at step {step} on {where}; the step was not applied. "
                 "Lower the learning rate, clip gradients (gradient_clip_val), check the data, or pass "
                 "nonfinite_grads='skip' to skip such steps on all ranks."
