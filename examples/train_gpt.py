@@ -349,14 +349,14 @@ class ShardingSummary(Callback):
         self.train_comm_seconds = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if isinstance(trainer.strategy, ZeROStrategy):
-            trainer.strategy.sharded_model.comm.stats.reset()  # counts training steps only, not validation
+        if isinstance(trainer.strategy, ZeROStrategy):  # training steps only, not validation
+            self._before = trainer.strategy.sharded_model.comm.stats.snapshot()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if isinstance(trainer.strategy, ZeROStrategy):
-            stats = trainer.strategy.sharded_model.comm.stats
-            self.train_bytes += stats.bytes_sent
-            self.train_comm_seconds += sum(s.seconds for s in stats.by_kind.values())
+            step = trainer.strategy.sharded_model.comm.stats.since(self._before)
+            self.train_bytes += step.bytes_sent
+            self.train_comm_seconds += sum(s.seconds for s in step.by_kind.values())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not isinstance(trainer.strategy, ZeROStrategy) or trainer.global_step == 0:

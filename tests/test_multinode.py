@@ -10,9 +10,9 @@ have seen its own node rank, a world of two and an engine sharded over both rank
 1-task job and checks that the ZeRO strategies pick ``SLURMEnvironment`` and read ranks, address
 and port from it exactly as ``DDPStrategy`` does, without launching processes of their own.
 
-``test_ranks_before_fit_match_ddp`` (expected to fail until ``ZeROStrategy`` has ``set_world_ranks``):
-with Lightning's own launcher on node 1 (``NODE_RANK=1``), the Trainer must report the same world size
-and ranks as under ``DDPStrategy`` as soon as it is built, not only once ``fit`` has set up the processes.
+``test_ranks_before_fit_match_ddp``: with Lightning's own launcher on node 1 (``NODE_RANK=1``), the Trainer
+must report the same world size and ranks as under ``DDPStrategy`` as soon as it is built, not only once
+``fit`` has set up the processes.
 """
 
 from __future__ import annotations

@@ -56,6 +56,23 @@ class CommStats:
     def reset(self) -> None:
         self.by_kind.clear()
 
+    def snapshot(self) -> CommStats:
+        """A copy of the counters as they are now (``since`` subtracts one)."""
+        copy = CommStats()
+        for kind, entry in self.by_kind.items():
+            copy.by_kind[kind] = CollectiveStats(entry.calls, entry.bytes_sent, entry.seconds)
+        return copy
+
+    def since(self, earlier: CommStats) -> CommStats:
+        """What was counted after ``earlier`` was taken."""
+        delta = CommStats()
+        for kind, entry in self.by_kind.items():
+            before = earlier.by_kind.get(kind, CollectiveStats())
+            delta.by_kind[kind] = CollectiveStats(
+                entry.calls - before.calls, entry.bytes_sent - before.bytes_sent, entry.seconds - before.seconds
+            )
+        return delta
+
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {
             k: {"calls": v.calls, "bytes_sent": v.bytes_sent, "seconds": v.seconds} for k, v in self.by_kind.items()

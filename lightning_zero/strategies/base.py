@@ -48,7 +48,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import Comm, ShardedModel, module_class_policy, owns_parameters
+from lightning_zero.engine import Comm, CommStats, ShardedModel, module_class_policy, owns_parameters
 from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
 from lightning_zero.engine.files import find_checkpoint, remove
 from lightning_zero.strategies import checkpointing
@@ -150,6 +150,7 @@ class ZeROStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._sharded: ShardedModel | None = None
         self._failed = False
+        self._stats_logged_until: CommStats | None = None
 
     # ------------------------------------------------------------------ processes
     @property
@@ -251,6 +252,7 @@ class ZeROStrategy(ParallelStrategy):
         self._sharded = ShardedModel(
             self.model, stage=self.stage, comm=Comm(), policy=policy, broadcast_buffers=self.broadcast_buffers
         )
+        self._stats_logged_until = None
         assert isinstance(self.precision_plugin, ZeROPrecision)
         self.precision_plugin.sharded_model = self._sharded
         self.precision_plugin.nonfinite_grads = self.nonfinite_grads

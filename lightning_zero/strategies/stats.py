@@ -12,12 +12,15 @@ if TYPE_CHECKING:
 
 def log_step_stats(strategy: ZeROStrategy) -> None:
     """Log what the last optimizer step cost (this rank's bytes and seconds per collective, the slowest
-    rank's seconds, this rank's model-state bytes), then start counting the next step afresh."""
+    rank's seconds, this rank's model-state bytes). The engine's counters keep running: the step's
+    figures are the difference from the previous call, so other readers of the counters see totals."""
     module = strategy.lightning_module
     assert module is not None
     trainer = module.trainer
     sharded = strategy.sharded_model
-    stats = sharded.comm.stats
+    now = sharded.comm.stats.snapshot()
+    stats = now.since(strategy._stats_logged_until) if strategy._stats_logged_until is not None else now
+    strategy._stats_logged_until = now
     seconds = torch.tensor([sum(s.seconds for s in stats.by_kind.values())], device=strategy.root_device)
     sharded.comm.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)  # the slowest rank bounds the step
     metrics = {"zero/comm_bytes": float(stats.bytes_sent), "zero/comm_seconds_max": seconds.item()}
@@ -29,4 +32,3 @@ def log_step_stats(strategy: ZeROStrategy) -> None:
     metrics["zero/skipped_steps"] = float(strategy.skipped_steps)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
-    stats.reset()
