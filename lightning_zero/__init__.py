@@ -7,21 +7,27 @@ Example::
 
     trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2)
     trainer.fit(model)
+
+``lightning_zero.check_parity(model, stage=3)`` trains a few steps of your module under ``DDPStrategy``
+and under a stage, and reports loss, gradient-norm and parameter differences.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.parity import ParityReport, check_parity
 from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
 from lightning_zero.strategies.checkpointing import consolidate as consolidate_checkpoint
 
 __version__ = "0.1.0"
 __all__ = [
+    "ParityReport",
     "ZeRO1Strategy",
     "ZeRO2Strategy",
     "ZeRO3Strategy",
     "ZeROPrecision",
     "ZeROStrategy",
     "__version__",
+    "check_parity",
     "consolidate_checkpoint",
 ]
 

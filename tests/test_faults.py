@@ -90,3 +90,36 @@ def test_a_killed_rank_makes_the_others_fail_fast_with_a_clear_error(tmp_path: P
     assert outcome != "finished"
     assert "another rank" in outcome, outcome
     assert float(seconds) < 60 and not math.isnan(float(seconds))
+
+
+def _divergent(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_zero.engine import CollectiveMismatchError
+
+    started = time.monotonic()
+    model = ParityNet(optimizer="sgd", rank_dependent=True)  # a layer that runs on rank 0 only
+    with pytest.raises(CollectiveMismatchError) as caught:
+        quiet_trainer(strategy="zero3", devices=world_size, max_steps=2).fit(model)
+    message = str(caught.value)
+    assert "rank 0: all_gather of 'sometimes'" in message, message
+    assert "rank 1: all_gather of 'norm'" in message, message
+    assert "same submodules in the same order" in message
+    # Both ranks stopped before the mismatched collective, so the teardown could still gather: the
+    # module is whole and finite again.
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return {"seconds": time.monotonic() - started}
+
+
+def test_stage3_ranks_running_different_modules_fail_fast_naming_them() -> None:
+    results = spawn(_divergent, world_size=2, timeout=120)
+    assert all(r["seconds"] < 30 for r in results), results
+
+
+def _debug_mode(rank: int, world_size: int) -> None:
+    strategy = ZeRO2Strategy(collective_checks="all")
+    model = ParityNet(optimizer="sgd")
+    quiet_trainer(strategy=strategy, devices=world_size, max_steps=2).fit(model)
+    assert strategy.collective_checks == "all"
+
+
+def test_checking_every_collective_trains_normally() -> None:
+    spawn(_debug_mode, world_size=2, timeout=120)

@@ -3,7 +3,7 @@
 See ``sharded_model.ShardedModel`` for the entry point and ``layout.py`` for the vocabulary.
 """
 
-from lightning_zero.engine.comm import Comm, CommStats
+from lightning_zero.engine.comm import CollectiveMismatchError, Comm, CommStats
 from lightning_zero.engine.grouping import module_class_policy, owns_parameters, plan_units
 from lightning_zero.engine.layout import ParamShard, ShardLayout, ShardRange
 from lightning_zero.engine.optimizer import UnsupportedOptimizerError, check_elementwise
@@ -11,6 +11,7 @@ from lightning_zero.engine.sharded_model import ShardedModel
 from lightning_zero.engine.unit import ShardedUnit, UnitState
 
 __all__ = [
+    "CollectiveMismatchError",
     "Comm",
     "CommStats",
     "ParamShard",

@@ -15,8 +15,10 @@ A world of one process never calls ``torch.distributed`` at all.
 from __future__ import annotations
 
 import time
+import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -79,8 +81,30 @@ class CommStats:
         }
 
 
+class CollectiveMismatchError(RuntimeError):
+    """Ranks were about to issue different collectives (raised on every rank, before the collective)."""
+
+
+CollectiveChecks = Literal["auto", "all", "off"]
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+
+
+def _name_code(name: str) -> int:
+    return zlib.crc32(name.encode())  # the same in every process (hash() is salted per process)
+
+
 class Comm:
-    """Collectives over one process group, counted in ``stats``.
+    """Collectives over one process group, counted in ``stats``, optionally checked first.
+
+    [Note: collective checks]
+    Collectives pair up by order: if ranks disagree on what comes next, gloo aborts the process
+    (different sizes) or, worse, exchanges the wrong data (same sizes). A *guarded* collective is
+    preceded by an all-gather of a 4-number descriptor (kind, name, element count, how many guarded
+    collectives this rank issued before); any difference raises ``CollectiveMismatchError`` on every
+    rank, naming what each rank was about to do, before the real collective runs. ``checks="auto"``
+    guards the calls whose order depends on the model's control flow (stage-3 gathers, called with
+    ``guard=True``); ``"all"`` every collective (a debugging mode: one extra tiny collective each);
+    ``"off"`` none.
 
     Example::
 
@@ -89,12 +113,51 @@ class Comm:
         comm.reduce_scatter(shard, full)    # sum over ranks
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, checks: CollectiveChecks = "auto") -> None:
+        if checks not in ("auto", "all", "off"):
+            raise ValueError(f"checks must be 'auto', 'all' or 'off', got {checks!r}")
         self.group = group
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
         self.stats = CommStats()
+        self.checks = checks
+        self._guarded_calls = 0
+        self._names: dict[int, str] = {}
+
+    def register_names(self, names: list[str]) -> None:
+        """Names a mismatch report may need to print for another rank (the same model on every rank)."""
+        self._names.update({_name_code(n): n for n in names})
+
+    def _check(self, kind: str, name: str, numel: int, device: torch.device, guard: bool) -> None:
+        if self.checks == "off" or (self.checks == "auto" and not guard):
+            return
+        self._names.setdefault(_name_code(name), name)
+        mine = torch.tensor([_KINDS.index(kind), _name_code(name), numel, self._guarded_calls], dtype=torch.int64)
+        everyone = torch.empty(4 * self.world_size, dtype=torch.int64, device=device)
+        self._timed(
+            "check",
+            everyone.numel() * 8 * (self.world_size - 1) // self.world_size,
+            _all_gather_single,
+            everyone,
+            mine.to(device),
+            group=self.group,
+        )
+        self._guarded_calls += 1
+        rows = everyone.view(self.world_size, 4).tolist()
+        if any(row != rows[0] for row in rows):
+            lines = [
+                f"rank {r}: {_KINDS[k]} of {self._names.get(c, 'an unknown unit')!r} ({n} elements, "
+                f"after {calls} checked collectives)"
+                for r, (k, c, n, calls) in enumerate(rows)
+            ]
+            raise CollectiveMismatchError(
+                "the ranks are about to issue different collectives, so they would deadlock or exchange the wrong "
+                "data:\n  " + "\n  ".join(lines) + "\nUnder stage 3 every rank must run the same submodules in the "
+                "same order (a data-dependent branch, a mixture-of-experts layer or a generation loop that stops "
+                "early on one rank breaks this). Run the same modules on every rank (e.g. call unused experts on an "
+                "empty batch), make the branch depend on all ranks, or use stage 1 or 2, which handle it."
+            )
 
     def _timed(self, kind: str, bytes_sent: int, fn, *args, **kwargs) -> None:
         start = time.perf_counter()
@@ -104,30 +167,34 @@ class Comm:
     def _ring_bytes(self, tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size() * (self.world_size - 1) // self.world_size
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> None:
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, name: str = "", guard: bool = False) -> None:
         """Concatenate every rank's ``shard`` into ``output`` (``shard`` may alias its own chunk)."""
         if self.world_size == 1:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return
+        self._check("all_gather", name, output.numel(), output.device, guard)
         self._timed("all_gather", self._ring_bytes(output), _all_gather_single, output, shard, group=self.group)
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, name: str = "") -> None:
         """Sum ``full`` over ranks and keep this rank's chunk in ``shard``."""
         if self.world_size == 1:
             shard.copy_(full)
             return
+        self._check("reduce_scatter", name, full.numel(), full.device, guard=False)
         self._timed("reduce_scatter", self._ring_bytes(full), _reduce_scatter_single, shard, full, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         if self.world_size == 1:
             return
+        self._check("all_reduce", "", tensor.numel(), tensor.device, guard=False)
         self._timed("all_reduce", 2 * self._ring_bytes(tensor), dist.all_reduce, tensor, op=op, group=self.group)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group rank ``src``."""
         if self.world_size == 1:
             return
+        self._check("broadcast", "", tensor.numel(), tensor.device, guard=False)
         sent = tensor.numel() * tensor.element_size() if self.rank == src else 0
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         self._timed("broadcast", sent, dist.broadcast, tensor, src=global_src, group=self.group)

@@ -67,6 +67,7 @@ class ShardedModel:
             ShardedUnit(p.name, p.module, p.params, p.param_names, comm, reshard_after_forward=stage == 3)
             for p in plans
         ]
+        comm.register_names([u.name for u in self.units])
         self.root_unit = next((u for u in self.units if u.name == ROOT_NAME), None)
         self._shard_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}
         self._param_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}
@@ -283,7 +284,7 @@ class ShardedModel:
                 piece = unit.param_shards[i]
                 shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(value)
         full = torch.empty(unit.layout.padded_numel, dtype=sample.dtype, device=unit.device)
-        self.comm.all_gather(full, shard)
+        self.comm.all_gather(full, shard, name=f"{unit.name} optimizer state {key!r}")
         return full
 
     def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

@@ -106,7 +106,9 @@ class ShardedUnit:
         storage = self.flat.untyped_storage()
         storage.resize_(self.layout.padded_numel * self.flat.element_size())
         with torch.no_grad():
-            self.comm.all_gather(self.flat, self.shard)
+            # Which unit is gathered when depends on the model's control flow: checked (see
+            # [Note: collective checks] in comm.py).
+            self.comm.all_gather(self.flat, self.shard, name=self.name, guard=True)
         self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
@@ -122,18 +124,18 @@ class ShardedUnit:
         if self.reshard_after_forward:
             if self.state is UnitState.UNSHARDED:
                 with torch.no_grad():
-                    self.comm.all_gather(self.flat, self.shard)
+                    self.comm.all_gather(self.flat, self.shard, name=self.name)
             return
         start, end = self.layout.shard_range(self.comm.rank)
         with torch.no_grad():
-            self.comm.all_gather(self.flat, self.flat[start:end])
+            self.comm.all_gather(self.flat, self.flat[start:end], name=self.name)
 
     def full_flat(self) -> torch.Tensor:
         """A full copy of the flat buffer, gathered if needed (for state dicts)."""
         if self.state is UnitState.UNSHARDED:
             return self.flat.detach().clone()
         full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        self.comm.all_gather(full, self.shard)
+        self.comm.all_gather(full, self.shard, name=self.name)
         return full
 
     def load_full_flat(self, full: torch.Tensor) -> None:
@@ -179,7 +181,7 @@ class ShardedUnit:
         if self.comm.world_size > 1:
             flat_grad.div_(self.comm.world_size)
         out = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
-        self.comm.reduce_scatter(out, flat_grad)
+        self.comm.reduce_scatter(out, flat_grad, name=self.name)
         return out, had_grad
 
     # ------------------------------------------------------------------ accounting

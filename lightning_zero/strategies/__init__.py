@@ -1,4 +1,4 @@
-"""Lightning strategies: the only part of lightning_zero that imports Lightning."""
+"""Lightning strategies: the glue between Lightning and the engine (which imports no Lightning)."""
 
 from lightning_zero.strategies.base import ZeROStrategy
 from lightning_zero.strategies.precision import ZeROPrecision

@@ -50,6 +50,7 @@ from typing_extensions import override
 
 from lightning_zero.engine import Comm, CommStats, ShardedModel, module_class_policy, owns_parameters
 from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
+from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.files import find_checkpoint, remove
 from lightning_zero.strategies import checkpointing
 from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure
@@ -91,6 +92,11 @@ class ZeROStrategy(ParallelStrategy):
             (checked across all ranks): ``"raise"`` (default) stops with an error naming the ranks and
             parameters, ``"skip"`` skips that step on every rank (counted in
             ``strategy.skipped_steps``, warned), ``"ignore"`` steps anyway as DDP does.
+        collective_checks: Before a collective, make sure every rank is about to issue the same one, and
+            otherwise raise ``CollectiveMismatchError`` on every rank, naming what each rank was doing,
+            instead of deadlocking or exchanging the wrong data. ``"auto"`` (default) checks the
+            collectives whose order depends on the model's control flow (stage-3 gathers); ``"all"``
+            checks every collective (debugging; one extra tiny collective each); ``"off"`` none.
         start_method: How Lightning starts processes when it launches them itself: ``"popen"``
             (re-runs the script, the default, as for ``DDPStrategy``), ``"spawn"``, ``"fork"``
             or ``"forkserver"``.
@@ -114,6 +120,7 @@ class ZeROStrategy(ParallelStrategy):
         checkpoint_format: CheckpointFormat = "sharded",
         log_stats: bool = False,
         nonfinite_grads: NonFinitePolicy = "raise",
+        collective_checks: CollectiveChecks = "auto",
         start_method: StartMethod = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -130,6 +137,7 @@ class ZeROStrategy(ParallelStrategy):
             start_method=start_method,
             log_stats=log_stats,
             nonfinite_grads=nonfinite_grads,
+            collective_checks=collective_checks,
         )
         super().__init__(
             accelerator=accelerator,
@@ -146,6 +154,7 @@ class ZeROStrategy(ParallelStrategy):
         self.checkpoint_format = checkpoint_format
         self.log_stats = log_stats
         self.nonfinite_grads = nonfinite_grads
+        self.collective_checks = collective_checks
         self._mesh: DeviceMesh | None = None
         self._num_nodes = 1
         self._sharded: ShardedModel | None = None
@@ -250,7 +259,11 @@ class ZeROStrategy(ParallelStrategy):
         self.model_to_device()
         policy = owns_parameters if self.unit_modules is None else module_class_policy(self.unit_modules)
         self._sharded = ShardedModel(
-            self.model, stage=self.stage, comm=Comm(), policy=policy, broadcast_buffers=self.broadcast_buffers
+            self.model,
+            stage=self.stage,
+            comm=Comm(checks=self.collective_checks),
+            policy=policy,
+            broadcast_buffers=self.broadcast_buffers,
         )
         self._stats_logged_until = None
         assert isinstance(self.precision_plugin, ZeROPrecision)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from lightning_zero.engine.checkpoint import CheckpointMismatchError, CorruptCheckpointError
+from lightning_zero.engine.comm import CollectiveMismatchError
 from lightning_zero.engine.optimizer import UnsupportedOptimizerError
 from lightning_zero.strategies.precision import NonFiniteGradientError
 
@@ -12,6 +13,7 @@ from lightning_zero.strategies.precision import NonFiniteGradientError
 # them all ranks can still take part in the collectives of a clean teardown.
 RAISED_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
     CheckpointMismatchError,
+    CollectiveMismatchError,
     CorruptCheckpointError,
     UnsupportedOptimizerError,
     NonFiniteGradientError,

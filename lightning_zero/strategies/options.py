@@ -17,6 +17,7 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_FORMATS = ("sharded", "full")
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
+COLLECTIVE_CHECKS = ("auto", "all", "off")
 
 
 def check_option_names(cls: type, kwargs: dict[str, Any]) -> None:
@@ -41,6 +42,7 @@ def validate_options(
     start_method: Any,
     log_stats: Any,
     nonfinite_grads: Any,
+    collective_checks: Any,
 ) -> None:
     if unit_modules is not None:
         if isinstance(unit_modules, (str, type)) or not isinstance(unit_modules, Sequence):
@@ -67,6 +69,8 @@ def validate_options(
         raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
     if nonfinite_grads not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite_grads must be one of {NONFINITE_POLICIES}, got {nonfinite_grads!r}")
+    if collective_checks not in COLLECTIVE_CHECKS:
+        raise ValueError(f"collective_checks must be one of {COLLECTIVE_CHECKS}, got {collective_checks!r}")
     if start_method not in START_METHODS:
         raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
 
