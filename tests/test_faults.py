@@ -123,3 +123,50 @@ def _debug_mode(rank: int, world_size: int) -> None:
 
 def test_checking_every_collective_trains_normally() -> None:
     spawn(_debug_mode, world_size=2, timeout=120)
+
+
+class ExtraForwardOnRank0(ParityNet):
+    """Validation that runs the model once more on rank 0 (a generation loop that takes longer there)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == 0:
+            self(batch[0])
+        super().validation_step(batch, batch_idx)
+
+
+def _uneven_validation(rank: int, world_size: int) -> None:
+    from lightning_zero.engine import CollectiveMismatchError
+
+    trainer = quiet_trainer(strategy="zero3", devices=world_size, limit_val_batches=2)
+    with pytest.raises(CollectiveMismatchError) as caught:
+        trainer.validate(ExtraForwardOnRank0(optimizer="sgd"))
+    message = str(caught.value)
+    # Rank 0 is in its extra forward (first unit: 'up'); rank 1 already starts the next batch's step,
+    # which gathers the root unit ('<root>': the LightningModule's own and tied parameters).
+    assert "rank 0: all_gather of 'up'" in message, message
+    assert "rank 1: all_gather of '<root>'" in message, message
+
+
+def test_uneven_forward_calls_in_validation_fail_fast_naming_them() -> None:
+    spawn(_uneven_validation, world_size=2, timeout=60)
+
+
+class ExtraForwardBeforeSyncedLog(ParityNet):
+    """Rank 0 runs the model once more, then every rank logs with sync_dist on each step."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == 0:
+            self(batch[0])
+        self.log("probe", torch.tensor(1.0), sync_dist=True, on_step=True, on_epoch=False)
+
+
+def _uneven_then_log(rank: int, world_size: int) -> None:
+    from lightning_zero.engine import CollectiveMismatchError
+
+    trainer = quiet_trainer(strategy="zero3", devices=world_size, limit_val_batches=2)
+    with pytest.raises(CollectiveMismatchError, match=r"rank 1: all_reduce of \"Lightning's reduce"):
+        trainer.validate(ExtraForwardBeforeSyncedLog(optimizer="sgd"))
+
+
+def test_a_synced_log_meeting_a_gather_fails_fast_naming_both() -> None:
+    spawn(_uneven_then_log, world_size=2, timeout=60)

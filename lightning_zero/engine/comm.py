@@ -129,6 +129,11 @@ class Comm:
         """Names a mismatch report may need to print for another rank (the same model on every rank)."""
         self._names.update({_name_code(n): n for n in names})
 
+    def check_next(self, kind: str, name: str, numel: int, device: torch.device) -> None:
+        """Check, as for a guarded call, a collective that another library is about to issue."""
+        if self.world_size > 1:
+            self._check(kind, name, numel, device, guard=True)
+
     def _check(self, kind: str, name: str, numel: int, device: torch.device, guard: bool) -> None:
         if self.checks == "off" or (self.checks == "auto" and not guard):
             return

@@ -64,6 +64,7 @@ from lightning_zero.strategies.precision import NonFinitePolicy, ZeROPrecision
 from lightning_zero.strategies.stats import log_step_stats
 
 log = logging.getLogger(__name__)
+LIGHTNING_REDUCE = "Lightning's reduce (self.log(..., sync_dist=True))"
 
 
 class ZeROStrategy(ParallelStrategy):
@@ -265,6 +266,7 @@ class ZeROStrategy(ParallelStrategy):
             policy=policy,
             broadcast_buffers=self.broadcast_buffers,
         )
+        self._sharded.comm.register_names([LIGHTNING_REDUCE])
         self._stats_logged_until = None
         assert isinstance(self.precision_plugin, ZeROPrecision)
         self.precision_plugin.sharded_model = self._sharded
@@ -488,6 +490,9 @@ class ZeROStrategy(ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
+            if self._sharded is not None and group is None:
+                # Logging with sync_dist=True in a step: where ranks that ran different code meet.
+                self._sharded.comm.check_next("all_reduce", LIGHTNING_REDUCE, tensor.numel(), tensor.device)
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
