@@ -321,3 +321,64 @@ def test_ranks_before_fit_match_ddp(monkeypatch: pytest.MonkeyPatch) -> None:
         seen[strategy] = (trainer.world_size, trainer.global_rank, trainer.is_global_zero, rank_zero_only.rank)
     assert seen["ddp"] == (4, 2, False, 2)
     assert seen["zero3"] == seen["ddp"]  # today: (1, 0, True, 0)
+
+
+# --------------------------------------------------------------------------- the cluster examples
+CLUSTER = Path(__file__).resolve().parents[1] / "examples" / "cluster"
+TINY_GPT = [
+    "--max-steps",
+    "4",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "8",
+    "--val-check-interval",
+    "4",
+    "--sample-chars",
+    "10",
+]
+
+
+def test_torchrun_example_script_trains_on_two_localhost_nodes(tmp_path: Path) -> None:
+    script = CLUSTER / "torchrun_multinode.sh"
+    port = _free_port()
+    procs = []
+    try:
+        for node in (0, 1):
+            env = {
+                **os.environ,
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "NODE_RANK": str(node),
+                "NNODES": "2",
+                "NPROC_PER_NODE": "1",
+                "ACCELERATOR": "cpu",
+                "OMP_NUM_THREADS": "1",
+            }
+            args = ["bash", str(script), *TINY_GPT, "--output", str(tmp_path / f"node{node}")]
+            log = open(tmp_path / f"node{node}.log", "w")
+            procs.append(
+                (subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), log)
+            )
+        for proc, _ in procs:
+            proc.wait(timeout=240)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+    outputs = [(tmp_path / f"node{n}.log").read_text() for n in (0, 1)]
+    assert [p.returncode for p, _ in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "=== train_gpt summary (zero3, 2 x cpu, 32-true)" in outputs[0]
+    assert "communication:" in outputs[0]
+
+
+def test_sbatch_example_is_valid_bash() -> None:
+    subprocess.run(["bash", "-n", str(CLUSTER / "train_gpt.sbatch")], check=True)
