@@ -347,3 +347,34 @@ def test_metadata_pointing_outside_the_directory_is_refused(checkpoints: str, tm
     (hostile / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(CorruptCheckpointError, match="outside its directory"):
         consolidate_checkpoint(hostile)
+
+
+def test_another_tools_sharded_checkpoint_is_named_as_such(checkpoints: str, tmp_path: Path) -> None:
+    foreign = _copy(checkpoints, "zero1", tmp_path)
+    meta = torch.load(foreign / "meta.pt", weights_only=True)
+    del meta["lightning_zero"]
+    torch.save(meta, foreign / "meta.pt")
+    with pytest.raises(CorruptCheckpointError, match="written by another tool"):
+        consolidate_checkpoint(foreign)
+
+
+def _resume_weights_only(rank: int, world_size: int, root: str) -> None:
+    from lightning_zero.strategies.checkpointing import WeightsOnlyCheckpointError
+
+    sharded = quiet_trainer(strategy="zero2", devices=world_size, max_steps=2, callbacks=[_SaveWeightsOnly(root)])
+    sharded.fit(_model())
+    with pytest.raises(WeightsOnlyCheckpointError, match="contains only the model"):
+        quiet_trainer(strategy="zero3", devices=world_size, max_steps=4).fit(_model(), ckpt_path=f"{root}/w.ckpt")
+
+
+class _SaveWeightsOnly(L.Callback):
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(f"{self.root}/w.ckpt", weights_only=True)  # still sharded: a directory
+
+
+def test_weights_only_checkpoint_cannot_resume_training(tmp_path: Path) -> None:
+    spawn(_resume_weights_only, world_size=2, timeout=120, root=str(tmp_path))
+    assert (tmp_path / "w.ckpt" / "meta.pt").is_file()

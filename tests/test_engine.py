@@ -392,3 +392,13 @@ def _attention(rank: int, world_size: int) -> None:
 
 def test_stage3_multihead_attention_is_one_unit_and_matches_ddp() -> None:
     spawn(_attention, world_size=2)
+
+
+def test_non_floating_parameter_is_refused_and_the_model_left_untouched() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].register_parameter("steps", nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"parameter '1.steps' in unit '1' has dtype torch.int64"):
+        ShardedModel(model, stage=3, comm=Comm())
+    for key, value in before.items():  # checked before anything was sharded: still readable, unchanged
+        assert torch.equal(model.state_dict()[key], value), key

@@ -190,6 +190,10 @@ def test_bad_optimizer_and_empty_model_fail_at_setup_on_every_rank() -> None:
         ({"process_group_backend": "carrier-pigeon"}, ValueError, "not a torch.distributed backend"),
         ({"timeout": 30}, ValueError, "timeout must be a positive datetime.timedelta"),
         ({"start_method": "teleport"}, ValueError, "start_method must be one of"),
+        ({"checkpoint_format": "zip"}, ValueError, "checkpoint_format must be one of"),
+        ({"log_stats": "often"}, TypeError, "log_stats must be True or False"),
+        ({"nonfinite_grads": "pray"}, ValueError, "nonfinite_grads must be one of"),
+        ({"collective_checks": "sometimes"}, ValueError, "collective_checks must be one of"),
     ],
 )
 def test_invalid_options_fail_at_construction(kwargs: dict, error: type, match: str) -> None:

@@ -327,6 +327,11 @@ def consolidate_state(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
     ``meta`` is the content of ``meta.pt``; the result adds ``state_dict`` and ``optimizer_states``
     as ``DDPStrategy`` would have saved them.
     """
+    if "lightning_zero" not in meta:
+        raise CorruptCheckpointError(
+            f"{str(directory)!r} is a sharded checkpoint written by another tool (its {META_FILE} has no "
+            "lightning_zero section); convert it to a full checkpoint with that tool first"
+        )
     zero_meta = meta["lightning_zero"]
     saved = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
     full = {

@@ -22,7 +22,7 @@ from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, owns_parameter
 from lightning_zero.engine.layout import ParamShard
 from lightning_zero.engine.optimizer import bind_optimizer, is_param_shaped, slice_state
 from lightning_zero.engine.stage3 import Stage3Hooks
-from lightning_zero.engine.unit import ShardedUnit
+from lightning_zero.engine.unit import ShardedUnit, check_unit_params
 
 STAGES = (1, 2, 3)
 
@@ -59,6 +59,8 @@ class ShardedModel:
                 f"{type(module).__name__} has no parameters, so there is nothing to shard. Create the layers in "
                 "__init__ or configure_model(), or use a strategy without sharding for a parameter-free model."
             )
+        for plan in plans:  # all of them before sharding any: a refused model is left untouched
+            check_unit_params(plan.name, plan.params, plan.param_names)
         self.module = module
         self.stage = stage
         self.comm = comm

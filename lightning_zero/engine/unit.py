@@ -56,7 +56,7 @@ class ShardedUnit:
         reshard_after_forward: bool,
         sync_from_rank0: bool = True,
     ) -> None:
-        _check_uniform(name, params, param_names)
+        check_unit_params(name, params, param_names)
         self.name = name
         self.module = module
         self.params = params
@@ -193,7 +193,7 @@ class ShardedUnit:
         return full + own_shard
 
 
-def _check_uniform(name: str, params: list[nn.Parameter], names: list[str]) -> None:
+def check_unit_params(name: str, params: list[nn.Parameter], names: list[str]) -> None:
     if not params:
         raise ValueError(f"unit {name!r} has no parameters")
     for param, pname in zip(params, names):

@@ -25,6 +25,7 @@ import torch
 
 from lightning_zero.engine.checkpoint import (
     META_FILE,
+    CorruptCheckpointError,
     checkpoint_meta,
     consolidate_state,
     load_sharded,
@@ -36,6 +37,14 @@ if TYPE_CHECKING:
     from lightning_zero.strategies.base import ZeROStrategy
 
 SHARDED_KEYS = ("state_dict", "optimizer_states")
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """The file holds objects only arbitrary pickled code can rebuild; it was not loaded."""
+
+
+class WeightsOnlyCheckpointError(KeyError):
+    """``fit`` was asked to resume from a checkpoint that holds the model only."""
 
 
 def save(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
@@ -74,7 +83,7 @@ def read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
     try:
         return torch.load(file, map_location="cpu", weights_only=weights_only is not False)
     except pickle.UnpicklingError as err:
-        raise pickle.UnpicklingError(
+        raise UnsafeCheckpointError(
             f"{str(file)!r} holds objects that only arbitrary pickle code can rebuild, so it was not loaded "
             f"({err}). If you trust the file, pass weights_only=False (e.g. trainer.fit(..., weights_only=False))."
         ) from err
@@ -92,13 +101,13 @@ def load(strategy: ZeROStrategy, path: Path, weights_only: bool | None, with_opt
     optimizers = strategy.unwrapped_optimizers if with_optimizers else []
     if path.is_dir():
         if "lightning_zero" not in checkpoint:
-            raise ValueError(
+            raise CorruptCheckpointError(
                 f"{str(path)!r} is a sharded checkpoint written by another tool (its {META_FILE} has no "
                 "lightning_zero section); convert it to a full checkpoint with that tool first"
             )
         zero_meta = checkpoint.pop("lightning_zero")
         if with_optimizers and not zero_meta["optimizers"]:
-            raise KeyError(
+            raise WeightsOnlyCheckpointError(
                 "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to "
                 "`ModelCheckpoint.save_weights_only` being set to `True`."
             )

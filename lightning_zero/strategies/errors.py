@@ -7,6 +7,7 @@ import re
 from lightning_zero.engine.checkpoint import CheckpointMismatchError, CorruptCheckpointError
 from lightning_zero.engine.comm import CollectiveMismatchError
 from lightning_zero.engine.optimizer import UnsupportedOptimizerError
+from lightning_zero.strategies.checkpointing import UnsafeCheckpointError, WeightsOnlyCheckpointError
 from lightning_zero.strategies.precision import NonFiniteGradientError
 
 # Errors raised by checks that run identically on every rank at the same point, so that after one of
@@ -17,6 +18,8 @@ RAISED_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
     CorruptCheckpointError,
     UnsupportedOptimizerError,
     NonFiniteGradientError,
+    UnsafeCheckpointError,
+    WeightsOnlyCheckpointError,
 )
 
 _PEER_GONE = re.compile(
