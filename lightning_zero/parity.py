@@ -43,17 +43,10 @@ From the command line, for a module class (or a zero-argument factory) whose own
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 import pickle
-import queue
-import socket
 import sys
-import tempfile
-import time
-import traceback
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,8 +54,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
@@ -72,6 +63,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
 
+from lightning_zero.processes import run_on_cpu_ranks
 from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
 
 __all__ = ["ParityReport", "check_parity"]
@@ -362,97 +354,17 @@ def _fit(job: _Job, stage: int | None, world_size: int, rank: int) -> _Run:
     )
 
 
-def _worker(rank: int, world_size: int, init_file: str, port: int, job: _Job, results: Any) -> None:
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "WORLD_SIZE": str(world_size),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "NODE_RANK": "0",
-            "OMP_NUM_THREADS": "1",
-        }
-    )
-    torch.set_num_threads(1)
+def _run_both(rank: int, world_size: int, job: _Job) -> bytes:
+    """In each process: the DDP reference, then the stage (results pickled for the caller)."""
     rank_zero_only.rank = utils_rank_zero_only.rank = rank  # Lightning read it at import, before RANK was set
     _quiet_lightning()
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        value = {"ddp": _fit(job, None, world_size, rank), "zero": _fit(job, job.stage, world_size, rank)}
-        results.put((rank, "ok", pickle.dumps(value)))
-    except BaseException as error:  # reported to the parent, which raises it in the caller
-        try:
-            pickled: bytes | None = pickle.dumps(error)
-        except Exception:
-            pickled = None
-        results.put((rank, "error", (traceback.format_exc(), pickled)))
-        return
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------- in the caller
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pickle.dumps({"ddp": _fit(job, None, world_size, rank), "zero": _fit(job, job.stage, world_size, rank)})
 
 
 def _spawn(job: _Job, world_size: int, timeout: float) -> list[dict[str, _Run]]:
     """Run both fits on ``world_size`` processes; every rank's results, by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    values: dict[int, dict[str, _Run]] = {}
-    with tempfile.TemporaryDirectory(prefix="lightning_zero_parity_") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        port = _free_port()
-        # Not daemonic: the user's DataLoader may start worker processes of its own.
-        procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, port, job, results), daemon=False)
-            for r in range(world_size)
-        ]
-        try:
-            for p in procs:
-                p.start()
-            deadline = time.monotonic() + timeout
-            while len(values) < world_size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = sorted(set(range(world_size)) - set(values))
-                    raise TimeoutError(
-                        f"check_parity: rank(s) {missing} did not finish within {timeout:g}s "
-                        "(a deadlock? a slow model? raise timeout= or lower steps=)"
-                    )
-                try:
-                    rank, status, value = results.get(timeout=min(remaining, 1.0))
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
-                    if dead:
-                        raise RuntimeError(
-                            f"check_parity: rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a "
-                            "result: an error while the process started (printed above; e.g. the module's file "
-                            "could not be imported there), a crash in native code, or killed for memory"
-                        ) from None
-                    continue
-                if status == "error":
-                    text, pickled = value
-                    cause = None
-                    if pickled is not None:
-                        with contextlib.suppress(Exception):
-                            cause = pickle.loads(pickled)
-                    message = f"check_parity failed on rank {rank}; its traceback:\n{text}"
-                    raise RuntimeError(message) from (cause if isinstance(cause, BaseException) else None)
-                values[rank] = pickle.loads(value)
-            for p in procs:
-                p.join(timeout=max(1.0, deadline - time.monotonic()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-            results.close()
-    return [values[r] for r in range(world_size)]
+    pickled = run_on_cpu_ranks(_run_both, world_size, timeout=timeout, name="check_parity", job=job)
+    return [pickle.loads(p) for p in pickled]
 
 
 def _diff(reference: float, value: float) -> tuple[float, float]:

@@ -61,3 +61,30 @@ def test_finetune_example_freezes_under_zero3_like_ddp() -> None:
     with tempfile.TemporaryDirectory() as root:
         results = spawn(_finetune, world_size=2, root=root)
     assert results[0]["val_loss"] > 0
+
+
+def _train_gpt(rank: int, world_size: int, output: str) -> dict[str, dict[str, Any] | None]:
+    example = load_example("train_gpt")
+    args = [
+        *TINY,
+        "--max-steps",
+        "8",
+        "--val-check-interval",
+        "4",
+        "--sample-chars",
+        "20",
+        "--devices",
+        str(world_size),
+    ]
+    return {s: example.main([*args, "--strategy", s, "--output", f"{output}/{s}"]) for s in ("ddp", "zero3")}
+
+
+def test_train_gpt_example_runs_and_matches_ddp() -> None:
+    with tempfile.TemporaryDirectory() as output:
+        summaries = spawn(_train_gpt, world_size=2, output=output)
+    ddp, zero3 = summaries[0]["ddp"], summaries[0]["zero3"]
+    assert summaries[1] == {"ddp": None, "zero3": None}
+    assert zero3["steps"] == 8
+    assert zero3["train_loss"] < zero3["first_train_loss"]
+    for key in ("first_train_loss", "train_loss", "val_loss", "sample"):
+        assert zero3[key] == ddp[key], key

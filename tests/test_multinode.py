@@ -35,8 +35,9 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 import lightning_zero  # noqa: F401  registers the strategy names
 from lightning_zero import ZeRO3Strategy
-from tests.distributed import _free_port, spawn
+from tests.distributed import free_port, spawn
 from tests.multinode_job import MAX_STEPS, train
+from tests.test_examples import TINY
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "multinode_job.py"
@@ -98,7 +99,7 @@ def _node_command(launcher: str, node_rank: int, port: int, out_dir: Path) -> tu
 
 def _run_two_nodes(launcher: str, out_dir: Path, log_dir: Path) -> None:
     """Both nodes at once; fail with their logs if either fails or they outlive TIMEOUT."""
-    port = _free_port()
+    port = free_port()
     procs: list[tuple[subprocess.Popen, Path]] = []
     try:
         for node_rank in (0, 1):
@@ -325,29 +326,12 @@ def test_ranks_before_fit_match_ddp(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # --------------------------------------------------------------------------- the cluster examples
 CLUSTER = Path(__file__).resolve().parents[1] / "examples" / "cluster"
-TINY_GPT = [
-    "--max-steps",
-    "4",
-    "--n-layer",
-    "1",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "16",
-    "--batch-size",
-    "8",
-    "--val-check-interval",
-    "4",
-    "--sample-chars",
-    "10",
-]
+TINY_GPT = [*TINY, "--max-steps", "4", "--val-check-interval", "4", "--sample-chars", "10"]
 
 
 def test_torchrun_example_script_trains_on_two_localhost_nodes(tmp_path: Path) -> None:
     script = CLUSTER / "torchrun_multinode.sh"
-    port = _free_port()
+    port = free_port()
     procs = []
     try:
         for node in (0, 1):

@@ -1,0 +1,125 @@
+"""Run a function on several CPU processes joined by gloo: the machinery behind ``check_parity``
+and the project's own multi-process tests.
+
+Each process gets the environment variables Lightning's ``LightningEnvironment`` reads (so a
+``Trainer`` built inside joins the process group, as under torchrun), one thread, and a process
+group initialised through a ``file://`` rendezvous in a temporary directory (no port races). The
+first failing rank's traceback is raised in the caller, with the original exception as its cause
+when it can be pickled; a rank that does not finish within ``timeout`` seconds raises
+``TimeoutError`` instead of hanging the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(
+    rank: int, world_size: int, init_file: str, port: int, fn: Callable[..., Any], kwargs: dict, results: Any
+) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world_size),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "NODE_RANK": "0",
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, **kwargs))))
+    except BaseException as error:  # reported to the caller, which raises it
+        pickled: bytes | None = None
+        with contextlib.suppress(Exception):
+            pickled = pickle.dumps(error)
+        results.put((rank, "error", (traceback.format_exc(), pickled)))
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_on_cpu_ranks(
+    fn: Callable[..., Any], world_size: int, timeout: float = 300.0, name: str | None = None, **kwargs: Any
+) -> list[Any]:
+    """``fn(rank, world_size, **kwargs)`` on ``world_size`` CPU processes; every rank's value, by rank.
+
+    ``fn`` and ``kwargs`` must be picklable (a module-level function). Example::
+
+        def world(rank: int, world_size: int) -> int:
+            return torch.distributed.get_world_size()
+
+        assert run_on_cpu_ranks(world, 2) == [2, 2]
+    """
+    label = name or getattr(fn, "__name__", "run_on_cpu_ranks")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    values: dict[int, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="lightning_zero_ranks_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        port = free_port()
+        # Not daemonic: a DataLoader in fn may start worker processes of its own.
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, port, fn, kwargs, results))
+            for r in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout
+            while len(values) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    missing = sorted(set(range(world_size)) - set(values))
+                    raise TimeoutError(f"{label}: rank(s) {missing} did not finish within {timeout:g}s (deadlock?)")
+                try:
+                    rank, status, value = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
+                    if dead:
+                        raise RuntimeError(
+                            f"{label}: rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result "
+                            "(an error while the process started, a crash in native code, or killed)"
+                        ) from None
+                    continue
+                if status == "error":
+                    text, pickled = value
+                    cause = None
+                    if pickled is not None:
+                        with contextlib.suppress(Exception):
+                            cause = pickle.loads(pickled)
+                    raise RuntimeError(f"{label} failed on rank {rank}:\n{text}") from (
+                        cause if isinstance(cause, BaseException) else None
+                    )
+                values[rank] = pickle.loads(value)
+            for p in procs:
+                p.join(timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            results.close()
+    return [values[r] for r in range(world_size)]
