@@ -133,8 +133,8 @@ class GradReducer:
 
     def _check_frozen_stay_frozen(self) -> None:
         for unit in self.units:
-            for index, param in enumerate(unit.params):
-                if param.grad is not None and index not in unit.trainable_indices:
+            for index in unit.frozen_indices:
+                if unit.params[index].grad is not None:
                     raise RuntimeError(
                         f"parameter {unit.param_names[index]!r} was frozen (requires_grad=False) when training "
                         "started and now has a gradient. ZeRO fixes the set of trainable parameters at setup: "

@@ -90,6 +90,7 @@ class ShardedModel:
             self.stage3.install()
         self.reducer.install()
         self.optimizers: list[Optimizer] = []
+        self._units_of_cache: dict[int, tuple[tuple[int, ...], list[ShardedUnit]]] = {}
 
     # ------------------------------------------------------------------ steps
     @contextmanager
@@ -152,7 +153,17 @@ class ShardedModel:
             unit.gather_updated_shards()
 
     def units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
-        """The units whose parameters ``optimizer`` steps."""
+        """The units whose parameters ``optimizer`` steps (worked out once per param-group shape: this
+        runs after every optimizer step)."""
+        shape = tuple(len(g["params"]) for g in optimizer.param_groups)
+        cached = self._units_of_cache.get(id(optimizer))
+        if cached is not None and cached[0] == shape:
+            return cached[1]
+        units = self._find_units_of(optimizer)
+        self._units_of_cache[id(optimizer)] = (shape, units)
+        return units
+
+    def _find_units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
         stepped: set[int] = set()
         for group in optimizer.param_groups:
             for param in group["params"]:

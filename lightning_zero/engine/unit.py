@@ -67,6 +67,7 @@ class ShardedUnit:
         self.param_shards: list[ParamShard] = self.layout.param_shards(comm.rank)
         # Fixed at construction: gradient hooks and shard parameters are made for exactly these.
         self.trainable_indices = [i for i, p in enumerate(params) if p.requires_grad]
+        self.frozen_indices = [i for i, p in enumerate(params) if not p.requires_grad]
         self.dtype = params[0].dtype
         self.device = params[0].device
         self.flat = self._flatten_into_views()
