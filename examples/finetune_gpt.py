@@ -1,5 +1,6 @@
 """Fine-tune a pretrained GPT under ZeRO: model built in ``configure_model``, pretrained weights
-loaded there, the embeddings and lower blocks frozen, the rest trained on a new slice of text.
+streamed into the shards when fitting starts, the embeddings and lower blocks frozen, the rest
+trained on a new slice of text.
 
     python examples/train_gpt.py --checkpoint --output runs/pretrain      # writes a sharded checkpoint
     python -m lightning_zero consolidate runs/pretrain/checkpoints/<name>.ckpt pretrained.ckpt
@@ -47,7 +48,14 @@ def load_pretrained(path: Path) -> dict[str, torch.Tensor]:
 
 
 class FineTuneGPT(GPTLightning):
-    """``GPTLightning`` whose ``configure_model`` also loads weights and freezes the lower layers."""
+    """``GPTLightning`` that freezes the lower layers in ``configure_model`` and loads the pretrained weights
+    when fitting starts.
+
+    Under stage 3 ``configure_model`` creates the model on the meta device (``meta_init``), already
+    sharded at setup, so no rank ever holds all of it; meta tensors hold no data, so the weights are
+    loaded afterwards, in ``on_fit_start``: ``load_state_dict`` then streams them into the shards one
+    unit at a time. The same code runs unchanged under DDP.
+    """
 
     def __init__(self, config: GPTConfig, pretrained: Path | None, freeze_layers: int, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -59,13 +67,16 @@ class FineTuneGPT(GPTLightning):
             return
         super().configure_model()
         assert self.model is not None
-        if self.pretrained is not None:
-            self.model.load_state_dict(load_pretrained(self.pretrained))
         # Freeze before the strategy sets up: ZeRO fixes the trainable set at setup.
         frozen = [self.model.wte, self.model.wpe]  # wte is tied to lm_head: both stay fixed
         frozen += list(self.model.h[: self.freeze_layers])
         for module in frozen:
             module.requires_grad_(False)
+
+    def on_fit_start(self) -> None:
+        if self.pretrained is not None:
+            assert self.model is not None
+            self.model.load_state_dict(load_pretrained(self.pretrained))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

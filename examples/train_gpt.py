@@ -52,6 +52,33 @@ class GPTConfig:
     bias: bool = True
 
 
+class GPTLinear(nn.Linear):
+    """``nn.Linear`` with GPT-2's init, N(0, std) weights and zero bias, in ``reset_parameters``: where a
+    module's init must live for the model to be created directly sharded (meta_init under stage 3)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = 0.02) -> None:
+        self.std = std
+        super().__init__(in_features, out_features, bias=bias)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+
+class GPTEmbedding(nn.Embedding):
+    """``nn.Embedding`` with GPT-2's N(0, 0.02) init."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+def residual_std(config: GPTConfig) -> float:
+    # GPT-2's scaled init: each block adds to the residual stream twice, so shrink the projections
+    # that write into it to keep the stream's variance flat with depth.
+    return 0.02 / math.sqrt(2 * config.n_layer)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -59,8 +86,8 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"n_embd ({config.n_embd}) must be divisible by n_head ({config.n_head})")
         self.n_head = config.n_head
         # One fused projection for q, k and v: fewer, larger matmuls, and fewer parameters to shard.
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = GPTLinear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = GPTLinear(config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -77,9 +104,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = GPTLinear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = GPTLinear(4 * config.n_embd, config.n_embd, bias=config.bias, std=residual_std(config))
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,28 +131,16 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wte = GPTEmbedding(config.vocab_size, config.n_embd)
+        self.wpe = GPTEmbedding(config.block_size, config.n_embd)
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = GPTLinear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying: one Parameter reachable under two names. Deliberate, see the module docstring.
+        # Every init lives in a module's reset_parameters (none runs after construction), so the
+        # model can be created directly sharded under stage 3; the tie keeps wte's values.
         self.lm_head.weight = self.wte.weight
-
-        self.apply(self._init_weights)
-        # GPT-2's scaled init: each block adds to the residual stream twice, so shrink the
-        # projections that write into it to keep the stream's variance flat with depth.
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Map token ids of shape (B, T) to next-token logits of shape (B, T, vocab_size)."""
@@ -365,7 +380,7 @@ class ShardingSummary(Callback):
         numel = sum(p.numel() for u in sharded.units for p in u.params)
         memory = sharded.memory_stats()
         theory = theory_bytes(sharded.stage, numel, trainer.world_size)
-        held = memory["params"] + memory["grads"] + memory["optimizer_states"]
+        held = memory["params"] + memory["master_params"] + memory["grads"] + memory["optimizer_states"]
         mb = 1 / 2**20
         self.lines = [
             f"model state:     {held * mb:.2f} MB per rank (params {memory['params'] * mb:.2f}, grads "

@@ -14,13 +14,16 @@ and under a stage, and reports loss, gradient-norm and parameter differences.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero.estimate import MemoryEstimate, StrategyEstimate, estimate_memory
 from lightning_zero.parity import ParityReport, check_parity
 from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
 from lightning_zero.strategies.checkpointing import consolidate as consolidate_checkpoint
 
 __version__ = "0.1.0"
 __all__ = [
+    "MemoryEstimate",
     "ParityReport",
+    "StrategyEstimate",
     "ZeRO1Strategy",
     "ZeRO2Strategy",
     "ZeRO3Strategy",
@@ -29,6 +32,7 @@ __all__ = [
     "__version__",
     "check_parity",
     "consolidate_checkpoint",
+    "estimate_memory",
 ]
 
 for _strategy, _name in ((ZeRO1Strategy, "zero1"), (ZeRO2Strategy, "zero2"), (ZeRO3Strategy, "zero3")):

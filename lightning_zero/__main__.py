@@ -1,19 +1,23 @@
-"""Command line: ``python -m lightning_zero consolidate CHECKPOINT OUT`` and ``... check-parity MODULE:ATTR``.
+"""Command line: ``python -m lightning_zero consolidate CHECKPOINT OUT``, ``... check-parity MODULE:ATTR`` and
+``... estimate --params 7B``.
 
 Example::
 
+    python -m lightning_zero estimate --params 7B --devices 8,64 --precision bf16-mixed --memory 80GB
     python -m lightning_zero consolidate runs/epoch=3-step=400.ckpt model.ckpt
     python -m lightning_zero consolidate runs/epoch=3-step=400.ckpt model.safetensors
     python -m lightning_zero check-parity my_package.models:MyModule --stage 3 --steps 5
 
 ``check-parity`` exits with 0 when the stage trained exactly like ``DDPStrategy`` (within ``--rtol``),
-1 when it did not, and 2 when the module could not be loaded or a run failed.
+1 when it did not, and 2 when the module could not be loaded or a run failed. ``estimate`` prints the
+model-state memory per device and the communication per step of DDP and each stage (see ``docs/memory.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -60,7 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parity.add_argument("--rtol", type=float, default=1e-5, help="largest relative difference (default: 1e-5)")
     parity.add_argument("--seed", type=int, default=0, help="seed for building the module and both runs")
     parity.add_argument("--timeout", type=float, default=600, help="seconds both runs may take (default: 600)")
+    _add_estimate_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        return _estimate(parser, args)
     if args.command == "check-parity":
         return _check_parity(parser, args)
     checkpoint = consolidate(args.checkpoint, args.output, weights_only=False if args.unsafe_pickle else None)
@@ -74,6 +81,99 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _argument(convert: Any) -> Any:
+    """An argparse ``type`` from a function that raises ``ValueError`` with a readable message."""
+
+    def parse(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from error
+
+    parse.__name__ = convert.__name__
+    return parse
+
+
+def _device_counts(text: str) -> list[int]:
+    counts = []
+    for part in text.split(","):
+        if not part.strip().isdigit() or int(part) < 1:
+            raise ValueError(f"expected positive integers separated by commas (e.g. 8,64,1024), got {text!r}")
+        counts.append(int(part))
+    return counts
+
+
+def _add_estimate_parser(commands: Any) -> None:
+    from lightning_zero.estimate import PRECISIONS, parse_bytes, parse_count
+
+    estimate = commands.add_parser(
+        "estimate",
+        help="predict model-state memory per device and communication per step of DDP and ZeRO stages 1-3",
+        description="Print, per device, the bytes of parameters, gradients, master copy and optimizer states "
+        "that DDP and each ZeRO stage keep, the bytes each rank sends per optimizer step and how long that "
+        "takes, and (with --memory) the cheapest strategy that fits. Pure arithmetic: nothing is launched.",
+    )
+    estimate.add_argument("--params", required=True, type=_argument(parse_count), help="parameter count: 7B, 350M")
+    estimate.add_argument(
+        "--devices",
+        type=_argument(_device_counts),
+        default=[1],
+        help="devices per node, or a comma list (8,64,1024) for one table per size (default: 1)",
+    )
+    estimate.add_argument("--nodes", type=_positive_int, default=1, help="number of nodes (default: 1)")
+    estimate.add_argument("--precision", choices=PRECISIONS, default="32-true", help="(default: 32-true)")
+    estimate.add_argument(
+        "--offload", action="store_true", help="master, sharded gradients and optimizer states in CPU memory"
+    )
+    estimate.add_argument(
+        "--bandwidth", type=float, help="bus bandwidth per rank in GB/s (default: by topology, stated in the output)"
+    )
+    estimate.add_argument("--memory", type=_argument(parse_bytes), help="memory per device, e.g. 80GB or 80GiB")
+    estimate.add_argument(
+        "--optimizer-state-bytes", type=float, help="optimizer state per parameter (default: 2 x master, Adam)"
+    )
+    estimate.add_argument(
+        "--reduce-dtype-bytes", type=_positive_int, default=4, help="element size gradients are reduced in (default: 4)"
+    )
+    estimate.add_argument("--param-dtype-bytes", type=_positive_int, help="mixed precision compute copy (default: 2)")
+    estimate.add_argument(
+        "--largest-unit", type=_argument(parse_count), help="parameters of the largest unit (stage 3's gathers)"
+    )
+    estimate.add_argument("--prefetch", type=int, default=1, help="units stage 3 gathers ahead (default: 1)")
+    estimate.add_argument("--json", action="store_true", help="print JSON (a list when several --devices are given)")
+
+
+def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from lightning_zero.estimate import estimate_memory
+
+    try:
+        estimates = [
+            estimate_memory(
+                args.params,
+                devices=devices,
+                nodes=args.nodes,
+                precision=args.precision,
+                offload_optimizer=args.offload,
+                optimizer_state_bytes=args.optimizer_state_bytes,
+                reduce_dtype_bytes=args.reduce_dtype_bytes,
+                param_dtype_bytes=args.param_dtype_bytes,
+                bandwidth_gbps=args.bandwidth,
+                memory_per_device=args.memory,
+                prefetch=args.prefetch,
+                largest_unit_params=args.largest_unit,
+            )
+            for devices in args.devices
+        ]
+    except ValueError as error:
+        parser.error(str(error))
+    if args.json:
+        data = [e.as_dict() for e in estimates]
+        print(json.dumps(data[0] if len(data) == 1 else data, indent=2))
+    else:
+        print("\n\n".join(e.table() for e in estimates))
+    return 0
 
 
 def _load_module(parser: argparse.ArgumentParser, target: str, seed: int) -> Any:

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_zero  # noqa: F401  registers the strategy names
-from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
+from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
 from lightning_zero.engine import UnsupportedOptimizerError
 from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
 from lightning_zero.strategies.checkpointing import consolidate
@@ -201,8 +201,20 @@ def test_invalid_options_fail_at_construction(kwargs: dict, error: type, match: 
 
 
 def test_unsupported_precision_fails_at_trainer_construction() -> None:
-    with pytest.raises(ValueError, match="supports precision='32-true'"):
-        L.Trainer(strategy="zero3", accelerator="cpu", devices=2, precision="bf16-mixed", logger=False)
+    with pytest.raises(ValueError, match=r"support precision in .*DoublePrecision"):
+        L.Trainer(strategy="zero3", accelerator="cpu", devices=2, precision="64-true", logger=False)
+    with pytest.raises(ValueError, match=r"param_dtype='int8' is not a dtype"):
+        ZeRO3Strategy(param_dtype="int8")
+    with pytest.raises(TypeError, match="offload_optimizer must be True or False"):
+        ZeRO2Strategy(offload_optimizer="yes")
+
+
+def test_precision_reaches_the_strategy() -> None:
+    for precision, dtype in (("bf16-mixed", torch.bfloat16), ("bf16-true", torch.bfloat16), ("32-true", None)):
+        trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2, precision=precision, logger=False)
+        plugin = trainer.strategy.precision_plugin
+        assert isinstance(plugin, ZeROPrecision) and plugin.precision == precision
+        assert plugin.half_dtype == dtype
 
 
 def test_strategies_are_registered_by_name() -> None:

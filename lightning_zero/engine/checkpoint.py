@@ -71,7 +71,7 @@ def sharded_model_state(model: ShardedModel, mesh: DeviceMesh) -> dict[str, Any]
     state: dict[str, Any] = {}
     for unit, index, param, piece in _param_pieces(model):
         if piece.numel:
-            view = unit.shard[piece.shard_offset : piece.shard_offset + piece.numel]
+            view = unit.master[piece.shard_offset : piece.shard_offset + piece.numel]
             state[MODEL_PREFIX + unit.param_names[index]] = _piece(view, piece.param_offset, param.numel(), mesh)
     params = {id(p) for p in param_names(model)}
     for name, value in model.module.state_dict(keep_vars=True).items():

@@ -146,7 +146,7 @@ class GradReducer:
         if not self._pending:
             return
         flags = [torch.tensor(had, dtype=torch.uint8) for _, _, had in self._pending]
-        used = torch.cat(flags).to(self._pending[0][1].device)
+        used = torch.cat(flags).to(self.order[0].device)
         self.order[0].comm.all_reduce(used)
         position = 0
         for unit, shard_grad, had_grad in self._pending:

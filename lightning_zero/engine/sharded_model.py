@@ -7,7 +7,7 @@ It ties together the units (``unit.py``), gradient reduction (``grads.py``), sta
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +20,7 @@ from lightning_zero.engine.comm import Comm
 from lightning_zero.engine.grads import GradReducer
 from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, owns_parameters, plan_units
 from lightning_zero.engine.layout import ParamShard
+from lightning_zero.engine.materialize import check_meta_writes, has_meta_tensors, materialize_units
 from lightning_zero.engine.optimizer import bind_optimizer, is_param_shaped, slice_state
 from lightning_zero.engine.stage3 import Stage3Hooks
 from lightning_zero.engine.unit import ShardedUnit, check_unit_params
@@ -50,6 +51,11 @@ class ShardedModel:
         comm: Comm,
         policy: UnitPolicy = owns_parameters,
         broadcast_buffers: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        offload_optimizer: bool = False,
+        device: torch.device | None = None,
+        meta_writes: Counter[int] | None = None,
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
@@ -65,10 +71,34 @@ class ShardedModel:
         self.stage = stage
         self.comm = comm
         self.broadcast_buffers = broadcast_buffers
-        self.units = [
-            ShardedUnit(p.name, p.module, p.params, p.param_names, comm, reshard_after_forward=stage == 3)
-            for p in plans
-        ]
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.offload_optimizer = offload_optimizer
+        units: list[ShardedUnit | None] = [None] * len(plans)
+
+        def build(index: int, full: torch.Tensor | None) -> None:
+            plan = plans[index]
+            units[index] = ShardedUnit(
+                plan.name,
+                plan.module,
+                plan.params,
+                plan.param_names,
+                comm,
+                reshard_after_forward=stage == 3,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                offload=offload_optimizer,
+                full=full,
+            )
+
+        if has_meta_tensors(module):
+            if meta_writes is not None:
+                check_meta_writes(module, meta_writes)
+            materialize_units(module, plans, device or torch.device("cpu"), comm.world_size, build)
+        else:
+            for index in range(len(plans)):
+                build(index, None)
+        self.units = [u for u in units if u is not None]
         comm.register_names([u.name for u in self.units])
         self.root_unit = next((u for u in self.units if u.name == ROOT_NAME), None)
         self._shard_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}
@@ -79,6 +109,10 @@ class ShardedModel:
                 self._shard_of[param] = (shard_param, piece)
                 self._param_of[shard_param] = (param, piece)
                 self._unit_of[shard_param] = unit
+        self._unit_of_param = {id(p): unit for unit in self.units for p in unit.params}
+        self._load_handles: list[Any] = []
+        self._streamed_keys: dict[int, set[str]] = {}
+        self._install_load_hooks()
         self._sync_buffers()
 
         self.stage3: Stage3Hooks | None = None
@@ -180,14 +214,16 @@ class ShardedModel:
         """The norm of ``optimizer``'s gradients over all ranks' shards (one all-reduce; same on every rank)."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p.numel()]
         norm_type = float(norm_type)
-        total = torch.zeros((), device=self.units[0].device)
+        device = self.units[0].device  # where collectives run (gradients may be offloaded to the CPU)
+        total = torch.zeros((), device=device)
         if norm_type == float("inf"):
             if grads:
-                total = torch.stack([g.abs().max() for g in grads]).max().float()
+                total = torch.stack([g.abs().max() for g in grads]).max().float().to(device)
             self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
             return total
         if grads:
             total = torch.stack([torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]).sum()
+            total = total.to(device)
         self.comm.all_reduce(total)
         return total ** (1.0 / norm_type)
 
@@ -220,49 +256,87 @@ class ShardedModel:
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
+            torch._foreach_mul_(grads, clip_coef.to(device=grads[0].device, dtype=grads[0].dtype))
         return total
 
     # ------------------------------------------------------------------ state dicts
-    @contextmanager
-    def _gathered(self, unit: ShardedUnit) -> Iterator[None]:
-        was_unsharded = unit.is_unsharded
-        unit.unshard()
-        try:
-            yield
-        finally:
-            if not was_unsharded:
-                unit.reshard()
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The module's full (unsharded) state dict, as DDP would return it; one unit gathered at a time."""
-        state = self.module.state_dict(keep_vars=True)
+    def _keys_of(self) -> tuple[dict[str, Any], dict[int, list[str]]]:
+        state = self.module.state_dict(keep_vars=True)  # reads no parameter data
         keys_of: dict[int, list[str]] = {}
         for key, value in state.items():
             keys_of.setdefault(id(value), []).append(key)
+        return state, keys_of
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The module's full (unsharded) state dict, as DDP would return it: parameters in the master dtype
+        (fp32 under mixed precision), one unit gathered at a time."""
+        state, keys_of = self._keys_of()
         for key, value in list(state.items()):
             if isinstance(value, torch.Tensor):
                 state[key] = value.detach()
         for unit in self.units:
-            with self._gathered(unit):
-                for param in unit.params:
-                    copy = param.detach().clone()
-                    for key in keys_of.get(id(param), []):
-                        state[key] = copy
+            full = unit.full_flat()
+            for param, offset, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels):
+                copy = full[offset : offset + numel].view(param.shape).clone()
+                for key in keys_of.get(id(param), []):
+                    state[key] = copy
         return state
 
     def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """Load a full state dict (any world size, any stage) into the shards."""
-        missing = [u for u in self.units if not u.is_unsharded]
-        for unit in missing:
-            unit.unshard()
-        try:
-            self.module.load_state_dict(state_dict, strict=strict)
-            for unit in self.units:
-                unit.load_full_flat(unit.flat)
-        finally:
-            for unit in missing:
-                unit.reshard()
+        """Load a full state dict (any world size, any stage; e.g. pretrained weights) into the shards,
+        one unit at a time; ``module.load_state_dict`` does the same (see ``_stream_into_shards``)."""
+        self.module.load_state_dict(state_dict, strict=strict)
+
+    def _install_load_hooks(self) -> None:
+        for module in self.module.modules():
+            self._load_handles.append(module.register_load_state_dict_pre_hook(self._stream_into_shards))
+            self._load_handles.append(module.register_load_state_dict_post_hook(self._forget_streamed_keys))
+
+    def _stream_into_shards(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *_args: Any, **_kwargs: Any
+    ) -> None:
+        """Pre-hook of ``load_state_dict`` on every module: the module the user called it on (``prefix`` is
+        empty) takes the entries of sharded parameters out of ``state_dict`` and writes them into the shards,
+        one unit at a time, so that memory never holds more than one full unit besides ``state_dict`` (and
+        stage-3 parameters, whose storage is freed, are never written directly). A collective: every rank
+        loads the same keys."""
+        if prefix:
+            return
+        own = module.state_dict(keep_vars=True)  # reads no parameter data
+        found: dict[ShardedUnit, dict[int, torch.Tensor]] = {}
+        handled = []
+        for key, value in own.items():
+            unit = self._unit_of_param.get(id(value))
+            if unit is None or key not in state_dict:
+                continue
+            source = state_dict.pop(key)
+            handled.append(key)
+            if tuple(source.shape) != tuple(value.shape):
+                raise RuntimeError(
+                    f"size mismatch for {key}: the state dict holds shape {tuple(source.shape)}, the model's "
+                    f"parameter has shape {tuple(value.shape)}"
+                )
+            found.setdefault(unit, {})[next(i for i, p in enumerate(unit.params) if p is value)] = source
+        for unit in self.units:  # in unit order: the same collectives on every rank
+            sources = found.get(unit)
+            if not sources:
+                continue
+            if len(sources) < len(unit.params):
+                full = unit.full_flat()
+            else:
+                full = torch.zeros(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
+            for index, source in sources.items():
+                offset, numel = unit.layout.offsets[index], unit.layout.numels[index]
+                full[offset : offset + numel].copy_(source.detach().reshape(-1))
+            unit.load_full_flat(full)
+            del full
+        self._streamed_keys[id(module)] = set(handled)
+
+    def _forget_streamed_keys(self, module: nn.Module, incompatible: Any) -> None:
+        """Post-hook: the entries ``_stream_into_shards`` loaded are not missing."""
+        handled = self._streamed_keys.pop(id(module), None)
+        if handled:
+            incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in handled]
 
     def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` as if it had stepped full parameters (what DDP would save)."""
@@ -322,6 +396,9 @@ class ShardedModel:
         when collectives could hang) uses no collective: stage-3 parameters, which only exist as
         shards, become NaN, and optimizers keep stepping shards."""
         self.reducer.remove()
+        for handle in self._load_handles:
+            handle.remove()
+        self._load_handles.clear()
         if self.stage3 is not None:
             self.stage3.remove()
         if not gather:
@@ -344,9 +421,11 @@ class ShardedModel:
             optimizer.state[params[index]] = state
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes of model state this rank holds now: parameters (persistent), gathered parameters
-        (stage 3, transient), sharded gradients and optimizer states."""
+        """Bytes of model state this rank holds now: parameters (the persistent compute copy), the master
+        shard where it is kept apart (mixed precision, offload), gathered parameters (stage 3, transient),
+        sharded gradients and optimizer states. With ``offload_optimizer`` the last three are in CPU memory."""
         params = sum(u.persistent_param_bytes() for u in self.units)
+        master = sum(u.master_bytes() for u in self.units)
         gathered = sum(
             u.layout.padded_numel * u.flat.element_size()
             for u in self.units
@@ -360,7 +439,13 @@ class ShardedModel:
             for v in s.values()
             if isinstance(v, torch.Tensor) and v.dim() > 0
         )
-        return {"params": params, "gathered_params": gathered, "grads": grads, "optimizer_states": states}
+        return {
+            "params": params,
+            "master_params": master,
+            "gathered_params": gathered,
+            "grads": grads,
+            "optimizer_states": states,
+        }
 
 
 def _storage_bytes(tensors: Any) -> int:

@@ -1,22 +1,34 @@
 """``ShardedUnit``: the parameters that are gathered, reduced and stepped together.
 
 [Note: unit memory]
-A unit owns one flat buffer (see [Note: flat layout] in ``layout.py``) whose views *are* the
-module's parameters (``param.data`` points into it, so tied references, ``module.weight`` and the
-autograd graph keep working). It also owns ``shard``, this rank's slice of that buffer, and one
-``shard_param`` per parameter: a 1-D ``nn.Parameter`` over the parameter's piece of the shard.
-The user's optimizer steps the ``shard_params``; nothing else does.
+A unit owns one flat buffer, ``flat`` (see [Note: flat layout] in ``layout.py``), whose views *are*
+the module's parameters (``param.data`` points into it, so tied references, ``module.weight`` and
+the autograd graph keep working). ``flat`` holds the *compute* copy, in ``dtype`` (the
+``param_dtype`` under mixed precision, otherwise the module's own dtype).
 
-- ``reshard_after_forward=False`` (stages 1 and 2): the flat buffer is always allocated, the
-  shard is a view into it; after the optimizer step the shards are all-gathered in place.
-- ``reshard_after_forward=True`` (stage 3): the shard has its own storage and the flat buffer's
-  storage is resized to 0 bytes while the unit is ``SHARDED``; ``unshard()`` re-allocates it and
-  all-gathers the shards into it. Resizing the storage (instead of swapping ``param.data``) keeps
-  every reference autograd or the user holds valid. Writes go through ``flat``, which does not
-  share the parameters' version counters, so tensors saved for backward stay usable.
+The optimizer steps the *master* shard, ``master``: this rank's slice of the unit in
+``master_dtype`` (the dtype the module was built in, fp32 under mixed precision), on
+``master_device`` (the CPU when the optimizer is offloaded). Each parameter has a ``shard_param``,
+a 1-D ``nn.Parameter`` over its piece of ``master``; the user's optimizer steps those and nothing
+else does. ``shard`` is the compute-dtype slice that all-gathers read from:
 
-Gradients are never kept here: ``reduce_grads`` packs the full gradients, reduce-scatters them
-into a fresh shard-sized tensor that it returns, and drops the full gradients.
+- without a separate master (same dtype and device), ``master`` *is* ``shard``;
+- with one, stages 1 and 2 keep ``shard`` as a view of ``flat``; stage 3 keeps no compute shard
+  (the master is cast on the fly before each gather, so stage 3 holds ``16Ψ/N`` bytes under mixed
+  precision as in fp32) unless the master is offloaded, where a persistent compute shard saves a
+  host-to-device copy per gather.
+
+- ``reshard_after_forward=False`` (stages 1 and 2): ``flat`` is always allocated; after the
+  optimizer step the master shard is copied into ``shard`` and all-gathered in place.
+- ``reshard_after_forward=True`` (stage 3): ``flat``'s storage is resized to 0 bytes while the
+  unit is ``SHARDED``; ``unshard()`` re-allocates it and all-gathers into it. Resizing the storage
+  (instead of swapping ``param.data``) keeps every reference autograd or the user holds valid.
+  Writes go through ``flat``, which does not share the parameters' version counters, so tensors
+  saved for backward stay usable.
+
+Gradients are never kept here: ``reduce_grads`` packs the full gradients into a ``reduce_dtype``
+buffer, reduce-scatters it, and returns this rank's shard in the master dtype and device; the full
+gradients are dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ from torch import nn
 from lightning_zero.engine.comm import Comm
 from lightning_zero.engine.layout import ParamShard, ShardLayout
 
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 
 class UnitState(enum.Enum):
     SHARDED = "sharded"
@@ -36,14 +50,15 @@ class UnitState(enum.Enum):
 
 
 class ShardedUnit:
-    """One group of parameters with its flat buffer and shard (see [Note: unit memory]).
+    """One group of parameters with its flat buffer and shards (see [Note: unit memory]).
 
     Example::
 
         unit = ShardedUnit("layer", layer, [layer.weight, layer.bias], ["weight", "bias"], comm,
-                           reshard_after_forward=True)
-        unit.unshard()            # all-gather: layer.weight is usable
+                           reshard_after_forward=True, param_dtype=torch.bfloat16)
+        unit.unshard()            # all-gather in bfloat16: layer.weight is usable
         unit.reshard()            # free the gathered storage again
+        unit.shard_params         # fp32 master pieces, stepped by the optimizer
     """
 
     def __init__(
@@ -55,6 +70,10 @@ class ShardedUnit:
         comm: Comm,
         reshard_after_forward: bool,
         sync_from_rank0: bool = True,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        offload: bool = False,
+        full: torch.Tensor | None = None,
     ) -> None:
         check_unit_params(name, params, param_names)
         self.name = name
@@ -68,36 +87,67 @@ class ShardedUnit:
         # Fixed at construction: gradient hooks and shard parameters are made for exactly these.
         self.trainable_indices = [i for i, p in enumerate(params) if p.requires_grad]
         self.frozen_indices = [i for i, p in enumerate(params) if not p.requires_grad]
-        self.dtype = params[0].dtype
-        self.device = params[0].device
-        self.flat = self._flatten_into_views()
+        self.master_dtype = params[0].dtype
+        self.dtype = param_dtype or self.master_dtype
+        # Gradients of half-precision parameters are summed in fp32 unless asked otherwise (accuracy).
+        self.reduce_dtype = reduce_dtype or (torch.float32 if self.dtype in _HALF_DTYPES else self.master_dtype)
+        self.device = params[0].device if full is None else full.device
+        self.offload = offload
+        self.master_device = torch.device("cpu") if offload else self.device
+        self.separate_master = self.dtype != self.master_dtype or offload
+
+        if full is None:
+            full = self._flatten(self.master_dtype)
         if sync_from_rank0:
-            # Every rank starts from rank 0's values, as with DDP.
-            comm.broadcast(self.flat, src=0)
+            # Every rank starts from rank 0's values, as with DDP (in the master dtype: nothing is rounded).
+            comm.broadcast(full, src=0)
         start, end = self.layout.shard_range(comm.rank)
-        self.shard = self.flat[start:end].clone() if reshard_after_forward else self.flat[start:end]
+        if self.separate_master:
+            self.master = full[start:end].to(self.master_device, copy=True)
+            if offload and self.master_device.type == "cpu" and self.device.type == "cuda":
+                self.master = self.master.pin_memory()
+            self.flat = full if self.dtype == self.master_dtype else full.to(self.dtype)
+            del full
+            self.shard: torch.Tensor | None = None
+            if not reshard_after_forward:
+                self.shard = self.flat[start:end]
+            elif offload:
+                self.shard = self.flat[start:end].clone()
+        else:
+            self.flat = full
+            self.master = self.flat[start:end].clone() if reshard_after_forward else self.flat[start:end]
+            self.shard = self.master
+        self._point_params_into(self.flat)
         self.shard_params = [self._make_shard_param(p, piece) for p, piece in zip(params, self.param_shards)]
         self.state = UnitState.UNSHARDED
         self.reshard()
 
     # ------------------------------------------------------------------ construction
-    def _flatten_into_views(self) -> torch.Tensor:
-        flat = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+    def _flatten(self, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.zeros(self.layout.padded_numel, dtype=dtype, device=self.device)
         with torch.no_grad():
             for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
-                view = flat[offset : offset + numel].view(param.shape)
-                view.copy_(param.detach())
-                param.data = view
+                flat[offset : offset + numel].copy_(param.detach().reshape(-1))
         return flat
 
+    def _point_params_into(self, flat: torch.Tensor) -> None:
+        for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
+            param.data = flat[offset : offset + numel].view(param.shape)
+
     def _make_shard_param(self, param: nn.Parameter, piece: ParamShard) -> nn.Parameter:
-        data = self.shard[piece.shard_offset : piece.shard_offset + piece.numel]
+        data = self.master[piece.shard_offset : piece.shard_offset + piece.numel]
         return nn.Parameter(data, requires_grad=param.requires_grad)
 
     # ------------------------------------------------------------------ properties
     @property
     def is_unsharded(self) -> bool:
         return self.state is UnitState.UNSHARDED
+
+    def _gather_source(self) -> torch.Tensor:
+        """This rank's compute-dtype shard, the input of every all-gather of the parameters."""
+        if self.shard is not None:
+            return self.shard
+        return self.master.to(device=self.device, dtype=self.dtype)
 
     # ------------------------------------------------------------------ parameters
     def unshard(self) -> None:
@@ -109,7 +159,7 @@ class ShardedUnit:
         with torch.no_grad():
             # Which unit is gathered when depends on the model's control flow: checked (see
             # [Note: collective checks] in comm.py).
-            self.comm.all_gather(self.flat, self.shard, name=self.name, guard=True)
+            self.comm.all_gather(self.flat, self._gather_source(), name=self.name, guard=True)
         self.state = UnitState.UNSHARDED
 
     def reshard(self) -> None:
@@ -120,58 +170,65 @@ class ShardedUnit:
         self.state = UnitState.SHARDED
 
     def gather_updated_shards(self) -> None:
-        """After the optimizer stepped the shards: refresh the full parameters (stages 1 and 2),
-        or the gathered copy if one is held (stage 3)."""
-        if self.reshard_after_forward:
-            if self.state is UnitState.UNSHARDED:
-                with torch.no_grad():
-                    self.comm.all_gather(self.flat, self.shard, name=self.name)
-            return
-        start, end = self.layout.shard_range(self.comm.rank)
+        """After the optimizer stepped the master shard: refresh the compute shard, then the full
+        parameters (stages 1 and 2) or the gathered copy if one is held (stage 3)."""
         with torch.no_grad():
-            self.comm.all_gather(self.flat, self.flat[start:end], name=self.name)
+            if self.separate_master and self.shard is not None:
+                self.shard.copy_(self.master, non_blocking=self.offload)
+            if self.reshard_after_forward and self.state is not UnitState.UNSHARDED:
+                return
+            self.comm.all_gather(self.flat, self._gather_source(), name=self.name)
 
     def full_flat(self) -> torch.Tensor:
-        """A full copy of the flat buffer, gathered if needed (for state dicts)."""
-        if self.state is UnitState.UNSHARDED:
+        """A full copy of the flat buffer in the master dtype, gathered (for state dicts)."""
+        if self.state is UnitState.UNSHARDED and not self.separate_master:
             return self.flat.detach().clone()
-        full = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
-        self.comm.all_gather(full, self.shard, name=self.name)
+        full = torch.empty(self.layout.padded_numel, dtype=self.master_dtype, device=self.device)
+        self.comm.all_gather(full, self.master.to(self.device), name=self.name)
         return full
 
     def load_full_flat(self, full: torch.Tensor) -> None:
-        """Take this rank's shard (and, if allocated, the full buffer) from a full flat tensor."""
+        """Take this rank's master shard (and compute copies) from a full flat tensor (any dtype)."""
         start, end = self.layout.shard_range(self.comm.rank)
         with torch.no_grad():
-            self.shard.copy_(full[start:end])
+            self.master.copy_(full[start:end])
+            if self.separate_master and self.shard is not None:
+                self.shard.copy_(self.master)
             if self.state is UnitState.UNSHARDED:
                 self.flat.copy_(full)
 
     def release_without_peers(self) -> None:
         """After a failure other ranks may not share: make the parameters safe to touch without any
-        collective. A sharded (stage-3) unit cannot be rebuilt alone, so its parameters become NaN,
-        loud rather than silently wrong; reload them from a checkpoint."""
+        collective. What cannot be rebuilt alone (stage-3 parameters, or master values that only exist
+        as shards under mixed precision) becomes NaN, loud rather than silently wrong; reload it from a
+        checkpoint."""
         if self.state is UnitState.SHARDED:
             self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
-            with torch.no_grad():
-                self.flat.fill_(float("nan"))
+        lost = self.state is UnitState.SHARDED or self.separate_master
         with torch.no_grad():
             for param in self.params:
-                param.data = param.data.clone()
+                data = param.data.to(self.master_dtype, copy=True)
+                if lost:
+                    data.fill_(float("nan"))
+                param.data = data
         self.state = UnitState.UNSHARDED
 
     def release(self) -> None:
-        """Give every parameter its own storage again (the module becomes a plain module)."""
-        self.unshard()
+        """Give every parameter its own storage again, with the master values in the master dtype (the
+        module becomes a plain module, as before sharding)."""
+        full = self.full_flat()
+        self.reshard()
         with torch.no_grad():
-            for param in self.params:
-                param.data = param.data.clone()
+            for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
+                param.data = full[offset : offset + numel].view(param.shape).clone()
+        self.state = UnitState.UNSHARDED
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(self) -> tuple[torch.Tensor, list[bool]]:
-        """Reduce-scatter the mean of the full gradients; return (this rank's shard, which params had a
-        gradient here). The full gradients are dropped."""
-        flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+        """Reduce-scatter the mean of the full gradients in ``reduce_dtype``; return (this rank's shard in
+        the master dtype, on the master device; which params had a gradient here). The full gradients are
+        dropped."""
+        flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
         had_grad = []
         for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
             had_grad.append(param.grad is not None)
@@ -181,17 +238,23 @@ class ShardedUnit:
         # Divide before summing, as DDP does, so that two ranks give bit-identical results.
         if self.comm.world_size > 1:
             flat_grad.div_(self.comm.world_size)
-        out = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
         self.comm.reduce_scatter(out, flat_grad, name=self.name)
+        if out.dtype != self.master_dtype or self.master_device != self.device:
+            out = out.to(device=self.master_device, dtype=self.master_dtype)
         return out, had_grad
 
     # ------------------------------------------------------------------ accounting
     def persistent_param_bytes(self) -> int:
-        """Bytes of parameters this unit holds while not in use."""
-        elem = self.flat.element_size()
-        full = 0 if self.reshard_after_forward else self.layout.padded_numel * elem
-        own_shard = self.layout.shard_numel * elem if self.reshard_after_forward else 0
-        return full + own_shard
+        """Bytes of the compute copy this unit keeps while not in use: the full parameters (stages 1 and 2)
+        or this rank's shard (stage 3, where it is also the master unless one is kept apart)."""
+        if not self.reshard_after_forward:
+            return self.layout.padded_numel * self.flat.element_size()
+        return 0 if self.shard is None else self.layout.shard_numel * self.shard.element_size()
+
+    def master_bytes(self) -> int:
+        """Bytes of the master shard where it is stored apart from the compute copy (else 0)."""
+        return self.layout.shard_numel * self.master.element_size() if self.separate_master else 0
 
 
 def check_unit_params(name: str, params: list[nn.Parameter], names: list[str]) -> None:
@@ -203,7 +266,8 @@ def check_unit_params(name: str, params: list[nn.Parameter], names: list[str]) -
                 f"parameter {pname!r} in unit {name!r} has dtype {param.dtype}; ZeRO shards floating-point "
                 "parameters only. Register integer tensors as buffers (module.register_buffer) instead."
             )
-        if param.dtype != params[0].dtype or param.device != params[0].device:
+        other_device = param.device != params[0].device and not (param.is_meta or params[0].is_meta)
+        if param.dtype != params[0].dtype or other_device:
             raise ValueError(
                 f"unit {name!r} mixes dtypes/devices: {names[0]!r} is {params[0].dtype} on {params[0].device}, "
                 f"{pname!r} is {param.dtype} on {param.device}. Put them in separate units (unit_modules=...) "

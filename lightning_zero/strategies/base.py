@@ -12,6 +12,7 @@ the state-dict hooks convert between shards and the full, DDP-shaped state.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -52,12 +53,15 @@ from lightning_zero.engine import Comm, CommStats, ShardedModel, module_class_po
 from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
 from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.files import find_checkpoint, remove
+from lightning_zero.engine.materialize import MetaWriteCounter, has_meta_tensors
 from lightning_zero.strategies import checkpointing
 from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure
+from lightning_zero.strategies.memory_report import MemoryReport, memory_report
 from lightning_zero.strategies.options import (
     CheckpointFormat,
     StartMethod,
     check_option_names,
+    parse_dtype,
     validate_options,
 )
 from lightning_zero.strategies.precision import NonFinitePolicy, ZeROPrecision
@@ -98,6 +102,19 @@ class ZeROStrategy(ParallelStrategy):
             instead of deadlocking or exchanging the wrong data. ``"auto"`` (default) checks the
             collectives whose order depends on the model's control flow (stage-3 gathers); ``"all"``
             checks every collective (debugging; one extra tiny collective each); ``"off"`` none.
+        param_dtype: Mixed precision only (``precision="bf16-mixed"`` / ``"16-mixed"``): the dtype parameters
+            are gathered and computed in (``torch.bfloat16``, ``torch.float16``, ``torch.float32``, or their
+            names as strings). Default: the half type, so that stage 3 gathers half the bytes; fp32 master
+            shards are kept for the optimizer either way. ``torch.float32`` gives Lightning's own mixed
+            precision (fp32 parameters under autocast), identical to ``DDPStrategy``'s.
+        reduce_dtype: The dtype gradients are reduce-scattered in. Default: ``torch.float32`` (accurate;
+            the gradients of half-precision parameters are upcast before the reduction).
+        offload_optimizer: Keep the fp32 master shards, sharded gradients and optimizer states in (pinned)
+            CPU memory and run the optimizer step there (ZeRO-Offload): only the compute copy of the
+            parameters stays on the accelerator.
+        meta_init: Build the layers of ``LightningModule.configure_model`` on the ``meta`` device and create
+            them one unit at a time, already sharded, with each module's ``reset_parameters()``, so that
+            the full model never exists on one rank. Default: ``True`` for stage 3, ``False`` otherwise.
         start_method: How Lightning starts processes when it launches them itself: ``"popen"``
             (re-runs the script, the default, as for ``DDPStrategy``), ``"spawn"``, ``"fork"``
             or ``"forkserver"``.
@@ -122,6 +139,10 @@ class ZeROStrategy(ParallelStrategy):
         log_stats: bool = False,
         nonfinite_grads: NonFinitePolicy = "raise",
         collective_checks: CollectiveChecks = "auto",
+        param_dtype: torch.dtype | str | None = None,
+        reduce_dtype: torch.dtype | str | None = None,
+        offload_optimizer: bool = False,
+        meta_init: bool | None = None,
         start_method: StartMethod = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -139,7 +160,13 @@ class ZeROStrategy(ParallelStrategy):
             log_stats=log_stats,
             nonfinite_grads=nonfinite_grads,
             collective_checks=collective_checks,
+            offload_optimizer=offload_optimizer,
+            meta_init=meta_init,
         )
+        self.param_dtype = parse_dtype("param_dtype", param_dtype)
+        self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype)
+        self.offload_optimizer = offload_optimizer
+        self.meta_init = self.stage == 3 if meta_init is None else meta_init
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -161,6 +188,7 @@ class ZeROStrategy(ParallelStrategy):
         self._sharded: ShardedModel | None = None
         self._failed = False
         self._stats_logged_until: CommStats | None = None
+        self._meta_writes: Counter[int] | None = None
 
     # ------------------------------------------------------------------ processes
     @property
@@ -226,22 +254,19 @@ class ZeROStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ precision
     @property
     @override
-    def precision_plugin(self) -> Precision:
-        assert self._precision_plugin is not None
+    def precision_plugin(self) -> ZeROPrecision:
+        if self._precision_plugin is None:
+            # Not stored: the Trainer treats a strategy's stored plugin as the user's choice and would
+            # ignore Trainer(precision=...).
+            return self._default_precision
+        assert isinstance(self._precision_plugin, ZeROPrecision)
         return self._precision_plugin
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        if plugin is None or type(plugin) is Precision:
-            plugin = ZeROPrecision()
-        if not isinstance(plugin, ZeROPrecision):
-            raise ValueError(
-                f"{type(self).__name__} supports precision='32-true' in this release; got the plugin "
-                f"{type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r}). "
-                "Pass Trainer(precision='32-true') or leave precision unset."
-            )
-        self._precision_plugin = plugin
+        self._default_precision = ZeROPrecision()
+        self._precision_plugin = None if plugin is None else ZeROPrecision.from_lightning(plugin)
 
     # ------------------------------------------------------------------ setup and teardown
     @property
@@ -256,7 +281,15 @@ class ZeROStrategy(ParallelStrategy):
         assert self.accelerator is not None
         assert self.model is not None
         self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
+        assert isinstance(self.precision_plugin, ZeROPrecision)
+        precision = self.precision_plugin
+        if self.param_dtype is not None and not precision.is_mixed:
+            raise ValueError(
+                f"param_dtype={self.param_dtype} applies to mixed precision (Trainer(precision='bf16-mixed' or "
+                f"'16-mixed')); with precision={precision.precision!r} parameters keep the module's dtype. Remove "
+                "param_dtype or choose a mixed precision."
+            )
+        self.model = precision.convert_module(self.model)
         self.model_to_device()
         policy = owns_parameters if self.unit_modules is None else module_class_policy(self.unit_modules)
         self._sharded = ShardedModel(
@@ -265,25 +298,47 @@ class ZeROStrategy(ParallelStrategy):
             comm=Comm(checks=self.collective_checks),
             policy=policy,
             broadcast_buffers=self.broadcast_buffers,
+            param_dtype=self.param_dtype or precision.default_param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            offload_optimizer=self.offload_optimizer,
+            device=self.root_device,
+            meta_writes=self._meta_writes,
         )
+        self._meta_writes = None
         self._sharded.comm.register_names([LIGHTNING_REDUCE])
         self._stats_logged_until = None
-        assert isinstance(self.precision_plugin, ZeROPrecision)
-        self.precision_plugin.sharded_model = self._sharded
-        self.precision_plugin.nonfinite_grads = self.nonfinite_grads
+        precision.attach(self._sharded)
+        precision.nonfinite_grads = self.nonfinite_grads
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 self._sharded.bind_optimizer(_unwrap(optimizer))
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
+        if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if trainer.state.fn == TrainerFn.FITTING and self.is_global_zero:
+            log.info("lightning_zero: model-state memory per rank\n%s", self.memory_report())
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        if has_meta_tensors(self.model):  # created by configure_model under meta_init: the engine materializes
+            _move_real_tensors(self.model, self.root_device)
+        else:
+            self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``: with ``meta_init``, layers are created on the ``meta`` device (no
+        memory) and materialized already sharded at setup, one unit at a time."""
+        if self.meta_init:
+            with torch.device("meta"), MetaWriteCounter() as counter:
+                yield
+            self._meta_writes = counter.writes
+        else:
+            yield
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -299,7 +354,17 @@ class ZeROStrategy(ParallelStrategy):
             self._sharded = None
         self._failed = False
         if isinstance(self._precision_plugin, ZeROPrecision):
-            self._precision_plugin.sharded_model = None
+            self._precision_plugin.attach(None)
+        module = self._lightning_module
+        if module is not None and has_meta_tensors(module):
+            # Refused at setup while still on the meta device: there is nothing to move to the CPU (and
+            # moving would fail, hiding the error that stopped the run).
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
         super().teardown()
 
     # ------------------------------------------------------------------ steps
@@ -410,6 +475,20 @@ class ZeROStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint restores the optimizers itself
 
+    def memory_report(self) -> MemoryReport:
+        """The memory ``lightning_zero.estimate_memory`` predicts for this model, world size, precision and
+        options, next to the bytes this rank holds now (``print(strategy.memory_report())``). Rank 0 logs it
+        at setup. Call after setup, on any rank (no collective).
+
+        Example::
+
+            class Report(Callback):
+                def on_train_batch_end(self, trainer, *args):
+                    if trainer.global_step == 1:
+                        print(trainer.strategy.memory_report())
+        """
+        return memory_report(self)
+
     def full_state_dict(self) -> dict[str, Any]:
         """The full, unsharded state dict (as ``DDPStrategy`` returns it); a collective: call on all ranks."""
         if self._sharded is None:
@@ -495,6 +574,17 @@ class ZeROStrategy(ParallelStrategy):
                 self._sharded.comm.check_next("all_reduce", LIGHTNING_REDUCE, tensor.numel(), tensor.device)
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def _move_real_tensors(module: Module, device: torch.device) -> None:
+    """``module.to(device)`` for every parameter and buffer that is not on the ``meta`` device."""
+    for mod in module.modules():
+        for param in mod._parameters.values():
+            if param is not None and not param.is_meta and param.device != device:
+                param.data = param.data.to(device)
+        for name, buf in mod._buffers.items():
+            if buf is not None and not buf.is_meta and buf.device != device:
+                mod._buffers[name] = buf.to(device)
 
 
 def _unwrap(optimizer: Optimizer | LightningOptimizer) -> Optimizer:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
+import torch
 from torch.nn import Module
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -43,6 +44,8 @@ def validate_options(
     log_stats: Any,
     nonfinite_grads: Any,
     collective_checks: Any,
+    offload_optimizer: Any = False,
+    meta_init: Any = None,
 ) -> None:
     if unit_modules is not None:
         if isinstance(unit_modules, (str, type)) or not isinstance(unit_modules, Sequence):
@@ -53,7 +56,13 @@ def validate_options(
         for entry in unit_modules:
             if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, Module))):
                 raise TypeError(f"unit_modules entries must be nn.Module subclasses or class names, got {entry!r}")
-    for name, value in (("broadcast_buffers", broadcast_buffers), ("log_stats", log_stats)):
+    if meta_init is not None and not isinstance(meta_init, bool):
+        raise TypeError(f"meta_init must be True, False or None (the stage's default), got {meta_init!r}")
+    for name, value in (
+        ("broadcast_buffers", broadcast_buffers),
+        ("log_stats", log_stats),
+        ("offload_optimizer", offload_optimizer),
+    ):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be True or False, got {value!r}")
     if process_group_backend is not None and (
@@ -78,3 +87,35 @@ def validate_options(
 def _valid_backend(backend: str) -> bool:
     parts = [p.split(":")[-1] for p in backend.split(",")]
     return all(p in BACKENDS for p in parts)
+
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "16": torch.float16,
+}
+
+
+def parse_dtype(option: str, value: Any) -> torch.dtype | None:
+    """``torch.bfloat16`` from ``torch.bfloat16``, ``"bfloat16"``, ``"bf16"`` or ``"torch.bfloat16"`` (YAML configs
+    pass strings); ``None`` stays ``None``."""
+    if value is None:
+        return None
+    if isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str) and value.removeprefix("torch.").lower() in DTYPES:
+        dtype = DTYPES[value.removeprefix("torch.").lower()]
+    else:
+        raise ValueError(
+            f"{option}={value!r} is not a dtype; use torch.float32, torch.bfloat16 or torch.float16 (or 'float32', "
+            "'bfloat16', 'float16')"
+        )
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{option} must be float32, bfloat16 or float16, got {dtype}")
+    return dtype

@@ -1,28 +1,96 @@
-"""The precision plugin our strategies use: Lightning's fp32 ``Precision`` made sharding-aware.
+"""The precision plugin our strategies use: Lightning's precisions made sharding-aware.
 
+``ZeROPrecision(precision)`` takes the place of Lightning's ``Precision`` (``"32-true"``),
+``MixedPrecision`` (``"bf16-mixed"``, ``"16-mixed"``) and ``HalfPrecision`` (``"bf16-true"``,
+``"16-true"``); the strategies convert the plugin the ``Trainer`` picked.
+
+- Mixed precision: forward and backward run under ``torch.autocast`` as with Lightning's plugin,
+  but on parameters already in the compute dtype (``param_dtype``, the half type by default): the
+  engine keeps fp32 master shards for the optimizer, so stage 3 gathers half the bytes. Set
+  ``param_dtype=torch.float32`` on the strategy for Lightning's own behaviour (fp32 parameters,
+  autocast only), which matches ``DDPStrategy`` exactly.
+- ``"16-mixed"`` scales the loss with ``ShardedGradScaler``: an ``inf``/``NaN`` in *any* rank's shard
+  skips the step on every rank and lowers the scale (a ``GradScaler`` per rank would see only its
+  own shard and let ranks diverge). Skipped steps are counted in ``skipped_steps`` and warned about.
+- ``"-true"`` precisions convert the module to the half type before sharding, as Lightning does;
+  the optimizer steps half-precision shards, exactly like ``DDPStrategy`` at that precision.
 - Clipping by norm: Lightning clips with ``torch.nn.utils.clip_grad_norm_`` over the optimizer's
   parameters. Under ZeRO those are this rank's shards, whose local norm is not the model's norm;
   this plugin asks the engine for the global norm instead (one all-reduce). Clipping by value is
   element-wise, so Lightning's own implementation is already exact on shards.
-- Non-finite gradients: before the step, every rank learns whether any rank's shard holds an
-  ``inf`` or ``NaN`` (one all-reduce), and all ranks then raise, or all skip the step, together
-  (``nonfinite_grads``). A step is never applied with such a gradient unless asked
-  (``"ignore"``, what DDP does).
+- Non-finite gradients (without a loss scaler): before the step, every rank learns whether any
+  rank's shard holds an ``inf`` or ``NaN`` (one all-reduce), and all ranks then raise, or all skip
+  the step, together (``nonfinite_grads``). A step is never applied with such a gradient unless
+  asked (``"ignore"``, what DDP does).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.plugins.precision import Precision
+import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.engine import ShardedModel
 
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
+PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
+PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+_HALF = {"bf16": torch.bfloat16, "16": torch.float16}
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """A ``torch.amp.GradScaler`` whose ``inf``/``NaN`` check covers every rank's gradient shards.
+
+    Example::
+
+        scaler = ShardedGradScaler("cuda")
+        scaler.all_reduce = sharded_model.comm.all_reduce    # the strategy sets this
+        scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()
+    """
+
+    def __init__(self, device: str = "cuda", **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        self.all_reduce: Callable[[Tensor], None] | None = None
+        self.comm_device: torch.device | None = None
+
+    @override
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
+    ) -> dict[torch.device, Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if self.all_reduce is None:
+            return per_device
+        device = self.comm_device or found_inf.device
+        anywhere = torch.zeros((), dtype=torch.float32, device=device)
+        for flag in per_device.values():
+            anywhere += flag.to(device)
+        self.all_reduce(anywhere)
+        for flag in per_device.values():
+            flag.copy_(anywhere.to(flag.device))
+        if not per_device:  # no gradient on this rank: still take part in the decision
+            per_device[found_inf.device] = anywhere.to(found_inf.device)
+        return per_device
+
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler, device: str) -> ShardedGradScaler:
+        """A sharded scaler with ``scaler``'s settings and current scale."""
+        if isinstance(scaler, ShardedGradScaler):
+            return scaler
+        sharded = cls(device, enabled=scaler.is_enabled())
+        sharded.load_state_dict(scaler.state_dict())
+        return sharded
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -30,19 +98,154 @@ class NonFiniteGradientError(FloatingPointError):
 
 
 class ZeROPrecision(Precision):
-    """Full fp32 precision (``precision="32-true"``) for the ZeRO strategies.
+    """Lightning's precisions for the ZeRO strategies (see the module docstring).
+
+    Args:
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
+        device: The device type for ``torch.autocast`` and the loss scaler (mixed precision).
+        scaler: A ``torch.amp.GradScaler`` whose settings to use (``"16-mixed"``); made sharded.
+
+    Normally the strategy builds this from ``Trainer(precision=...)``. Pass it as a plugin to use
+    ``"16-mixed"`` on CPU, which the ``Trainer`` otherwise turns into ``"bf16-mixed"``.
 
     Example::
 
-        trainer = Trainer(strategy=ZeRO2Strategy(nonfinite_grads="skip"), precision="32-true", gradient_clip_val=1.0)
+        trainer = Trainer(strategy=ZeRO3Strategy(), precision="bf16-mixed", gradient_clip_val=1.0)
+        trainer = Trainer(strategy=ZeRO2Strategy(), plugins=[ZeROPrecision("16-mixed", device="cpu")])
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self, precision: PrecisionName = "32-true", device: str = "cpu", scaler: torch.amp.GradScaler | None = None
+    ) -> None:
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"the ZeRO strategies support precision in {PRECISIONS}, got {precision!r}. "
+                "Pass one of those to Trainer(precision=...)."
+            )
+        if scaler is not None and precision != "16-mixed":
+            raise ValueError(f"precision={precision!r} does not use a loss scaler; pass scaler only with '16-mixed'")
+        self.precision = precision
+        self.device = device
+        if precision == "16-mixed":
+            scaler = ShardedGradScaler.like(scaler, device) if scaler is not None else ShardedGradScaler(device)
+        self.scaler: ShardedGradScaler | None = scaler
         self.sharded_model: ShardedModel | None = None
         self.nonfinite_grads: NonFinitePolicy = "raise"
         self.skipped_steps = 0
         self.last_grad_norm = None
+
+    @classmethod
+    def from_lightning(cls, plugin: Precision | None) -> ZeROPrecision:
+        """The ZeRO version of the plugin the ``Trainer`` picked; a clear error for the ones without one."""
+        if plugin is None or type(plugin) is Precision:
+            return cls()
+        if isinstance(plugin, ZeROPrecision):
+            return plugin
+        if type(plugin) is MixedPrecision:
+            return cls(plugin.precision, device=plugin.device, scaler=plugin.scaler)
+        if type(plugin) is HalfPrecision:
+            return cls(plugin.precision)
+        raise ValueError(
+            f"the ZeRO strategies support precision in {PRECISIONS}; got the plugin {type(plugin).__name__} "
+            f"(precision={getattr(plugin, 'precision', '?')!r}). Pass one of those to Trainer(precision=...)."
+        )
+
+    # ------------------------------------------------------------------ dtypes
+    @property
+    def is_mixed(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    @property
+    def half_dtype(self) -> torch.dtype | None:
+        """The low-precision dtype (``None`` for ``"32-true"``)."""
+        return _HALF.get(self.precision.split("-")[0])
+
+    @property
+    def default_param_dtype(self) -> torch.dtype | None:
+        """The compute dtype the engine gives parameters when the strategy sets none (mixed: the half type)."""
+        return self.half_dtype if self.is_mixed else None
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        if self.precision.endswith("-true") and self.half_dtype is not None:
+            return module.to(dtype=self.half_dtype)
+        return module
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        if self.precision.endswith("-true") and self.half_dtype is not None:
+            return _DtypeContextManager(self.half_dtype)
+        return nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.is_mixed:
+            with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False):
+                yield
+        else:
+            with self.tensor_init_context():
+                yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision.endswith("-true") and self.half_dtype is not None:
+            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.half_dtype)
+        return data
+
+    # ------------------------------------------------------------------ loss scaling
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        skip = closure_result is None and model.automatic_optimization  # the user's step returned no loss
+        if not skip:
+            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        found = self.scaler._found_inf_per_device(optimizer)  # type: ignore[arg-type]
+        overflow = bool(sum(float(v) for v in found.values()))
+        output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        scale = self.scaler.get_scale()
+        self.scaler.update()
+        if overflow:
+            self.skipped_steps += 1
+            rank_zero_warn(
+                f"skipped optimizer step {model.trainer.global_step}: the scaled gradients overflowed on some rank "
+                f"(loss scale {scale:g} -> {self.scaler.get_scale():g}; {self.skipped_steps} skipped so far)"
+            )
+        return output
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+    def attach(self, sharded_model: ShardedModel | None) -> None:
+        """Connect to (or, with ``None``, detach from) the engine whose gradients this plugin checks."""
+        self.sharded_model = sharded_model
+        if self.scaler is not None:
+            self.scaler.all_reduce = None if sharded_model is None else sharded_model.comm.all_reduce
+            self.scaler.comm_device = None if sharded_model is None else sharded_model.units[0].device
 
     def _engine(self) -> ShardedModel:
         if self.sharded_model is None:
@@ -51,7 +254,7 @@ class ZeROPrecision(Precision):
 
     @override
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
-        if self.nonfinite_grads != "ignore":
+        if self.nonfinite_grads != "ignore" and self.scaler is None:  # with a scaler, the scaler decides
             self._check_finite(model, optimizer)
         super()._after_closure(model, optimizer)
 

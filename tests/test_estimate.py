@@ -1,0 +1,307 @@
+"""The memory and communication estimator (``lightning_zero.estimate``): arithmetic only, no processes."""
+
+import doctest
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_zero.estimate
+from lightning_zero import estimate_memory
+from lightning_zero.__main__ import main
+from lightning_zero.engine.layout import ShardLayout
+from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
+from lightning_zero.estimate import INTER_NODE_GBPS, INTRA_NODE_GBPS, parse_bytes, parse_count
+
+PSI = 7_000_000_000
+STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
+
+
+def totals(est):
+    return {r.strategy: r.device.total for r in est.rows}
+
+
+def test_docstring_examples_run() -> None:
+    result = doctest.testmod(lightning_zero.estimate)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+def test_classic_fp32_figures() -> None:
+    est = estimate_memory("7B", devices=8)
+    assert totals(est) == {"ddp": 112e9, "zero1": 63e9, "zero2": 38.5e9, "zero3": 14e9}
+    zero2 = est.row("zero2").device
+    assert (zero2.params, zero2.grads, zero2.master, zero2.optimizer_states) == (28e9, 3.5e9, 0, 7e9)
+    # The same as the engine's theory module, column by column, and its communication.
+    for stage, row in zip([None, 1, 2, 3], est.rows):
+        theory = theory_bytes(stage, PSI, 8)
+        assert (row.device.params, row.device.grads, row.device.optimizer_states) == tuple(theory)
+        assert row.comm_bytes == pytest.approx(theory_comm_bytes(stage, PSI, 8))
+    assert est.row("zero1").comm_bytes == pytest.approx(49e9)
+    assert est.row("zero3").comm_bytes == pytest.approx(73.5e9)
+    assert est.row("zero3").comm_seconds == pytest.approx(73.5e9 / (INTRA_NODE_GBPS * 1e9))
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 8, 64, 1024, 4096])
+def test_fp32_rows_follow_the_formulas(devices: int) -> None:
+    n = devices
+    est = estimate_memory(PSI, devices=devices)
+    expected = {"ddp": 16 * PSI, "zero1": 8 * PSI + 8 * PSI / n, "zero2": 4 * PSI + 12 * PSI / n, "zero3": 16 * PSI / n}
+    assert totals(est) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_rows_by_hand(precision: str) -> None:
+    n = 8
+    est = estimate_memory(PSI, devices=n, precision=precision)
+    c, m, k = 2, 4, 8  # half compute copy, fp32 master (and sharded grads), Adam: two fp32 moments
+    by_hand = {
+        "ddp": (4 * PSI, 4 * PSI, 0, k * PSI),  # autocast: fp32 parameters and gradients
+        "zero1": (c * PSI, c * PSI, m * PSI / n, k * PSI / n),
+        "zero2": (c * PSI, m * PSI / n, m * PSI / n, k * PSI / n),
+        "zero3": (0, m * PSI / n, m * PSI / n, k * PSI / n),  # no persistent half copy
+    }
+    for strategy, expected in by_hand.items():
+        assert tuple(est.row(strategy).device) == pytest.approx(expected), strategy
+    # DESIGN.md's table: DDP 16Ψ, stage 1 4Ψ + 12Ψ/N and stage 3 16Ψ/N agree with the paper; stage 2
+    # keeps fp32 gradient shards, so 2Ψ + 16Ψ/N instead of the paper's 2Ψ + 14Ψ/N.
+    assert totals(est) == pytest.approx(
+        {"ddp": 16 * PSI, "zero1": 4 * PSI + 12 * PSI / n, "zero2": 2 * PSI + 16 * PSI / n, "zero3": 16 * PSI / n}
+    )
+    ring = (n - 1) / n
+    assert [r.comm_bytes for r in est.rows] == pytest.approx(
+        [8 * PSI * ring, 6 * PSI * ring, 6 * PSI * ring, 8 * PSI * ring]  # DDP fp32; RS fp32 + AG half; 2 AG + RS
+    )
+
+
+def test_half_true_and_overrides() -> None:
+    est = estimate_memory(1000, devices=4, precision="bf16-true")
+    assert tuple(est.row("ddp").device) == (2000, 2000, 0, 4000)  # bf16 states: 2 x 2 bytes
+    assert tuple(est.row("zero3").device) == (500, 500, 0, 1000)
+    sgd = estimate_memory(1000, devices=4, optimizer_state_bytes=0)
+    assert sgd.row("zero1").device.optimizer_states == 0 and sgd.row("ddp").device.total == 8000
+    fp32_compute = estimate_memory(1000, devices=4, precision="bf16-mixed", param_dtype_bytes=4, reduce_dtype_bytes=2)
+    assert fp32_compute.row("zero2").device.params == 4000
+    assert fp32_compute.row("zero1").comm_bytes == pytest.approx((1000 * 2 + 1000 * 4) * 3 / 4)
+    assert estimate_memory(1000, precision="bf16").dtypes.precision == "bf16-mixed"  # Lightning's aliases
+
+
+def test_offload_moves_sharded_state_to_cpu() -> None:
+    n = 8
+    on_device = estimate_memory(PSI, devices=n, precision="bf16-mixed")
+    offloaded = estimate_memory(PSI, devices=n, precision="bf16-mixed", offload_optimizer=True)
+    assert offloaded.row("ddp") == on_device.row("ddp")  # DDP has no offload
+    for strategy in ["zero1", "zero2", "zero3"]:
+        before, after = on_device.row(strategy), offloaded.row(strategy)
+        assert tuple(after.cpu) == pytest.approx((0, 4 * PSI / n, 4 * PSI / n, 8 * PSI / n))
+        assert after.device.master == after.device.optimizer_states == 0
+        assert after.comm_bytes == before.comm_bytes
+    assert tuple(offloaded.row("zero1").device) == (2 * PSI, 2 * PSI, 0, 0)  # full grads stay on the device
+    assert tuple(offloaded.row("zero2").device) == (2 * PSI, 0, 0, 0)
+    assert tuple(offloaded.row("zero3").device) == pytest.approx((2 * PSI / n, 0, 0, 0))  # compute shard kept
+    # In fp32 the offloaded optimizer needs its own fp32 copy of the shard on the CPU.
+    fp32 = estimate_memory(PSI, devices=n, offload_optimizer=True).row("zero3")
+    assert tuple(fp32.cpu) == pytest.approx((0, 4 * PSI / n, 4 * PSI / n, 8 * PSI / n))
+    assert fp32.device.params == pytest.approx(4 * PSI / n)
+
+
+def test_world_size_one() -> None:
+    est = estimate_memory(PSI)
+    assert set(totals(est).values()) == {16 * PSI}
+    assert all(r.comm_bytes == 0 and r.comm_seconds == 0 for r in est.rows)
+    assert est.world_size == 1
+    assert estimate_memory(PSI, memory_per_device="200GB").recommended.strategy == "ddp"
+
+
+def test_bandwidth_defaults_and_override() -> None:
+    assert estimate_memory(PSI, devices=8).bandwidth_gbps == INTRA_NODE_GBPS
+    multi = estimate_memory(PSI, devices=8, nodes=4)
+    assert multi.bandwidth_gbps == INTER_NODE_GBPS and multi.world_size == 32
+    assert "several nodes" in multi.bandwidth_source and "25 GB/s" in multi.table()
+    given = estimate_memory(PSI, devices=8, bandwidth_gbps=100)
+    assert given.bandwidth_source == "given"
+    assert given.row("zero1").comm_seconds == pytest.approx(49e9 / 100e9)
+    assert any("one NVLink-class domain" in note for note in estimate_memory(PSI, devices=64).notes)
+
+
+def test_stage3_gathered_units() -> None:
+    unknown = estimate_memory(PSI, devices=8)
+    assert unknown.row("zero3").gathered is None
+    assert "not counted" in unknown.table()
+    known = estimate_memory(PSI, devices=8, precision="bf16-mixed", largest_unit_params="200M", prefetch=2)
+    assert known.row("zero3").gathered == 3 * 200e6 * 2  # (prefetch + 1) units in the compute dtype
+    assert known.row("zero3").device_peak == 14e9 + 1.2e9
+
+
+def test_recommendation() -> None:
+    est = estimate_memory("7B", devices=8, memory_per_device="80GB")
+    assert [r.fits for r in est.rows] == [False, True, True, True]
+    assert est.recommended.strategy == "zero1"  # same traffic as stage 2, lower stage wins the tie
+    assert "stage 1" in est.recommendation
+    mixed = estimate_memory("7B", devices=8, precision="bf16-mixed", memory_per_device="30GB")
+    assert mixed.recommended.strategy == "zero2"  # stage 1 needs 38.5 GB
+    # Stage 3 holds 14 GB of shards plus 2 gathered units in bf16: 2 x 0.5B x 2 bytes fit in 16 GB, 2 x 1B do not.
+    fits = estimate_memory(
+        "7B", devices=8, precision="bf16-mixed", memory_per_device="16GB", largest_unit_params="500M"
+    )
+    assert fits.recommended.strategy == "zero3" and fits.row("zero3").device_peak == 16e9
+    too_big = estimate_memory(
+        "7B", devices=8, precision="bf16-mixed", memory_per_device="16GB", largest_unit_params="1B"
+    )
+    assert too_big.recommended is None and too_big.row("zero3").fits is False
+    roomy = estimate_memory("7B", devices=8, memory_per_device="1TB")
+    assert roomy.recommended.strategy == "ddp"  # DDP fits and sends no more than stages 1 and 2
+    assert estimate_memory("7B", devices=8).recommended is None
+
+
+def test_recommendation_when_nothing_fits() -> None:
+    est = estimate_memory("175B", devices=8, precision="bf16-mixed", memory_per_device="80GB")
+    assert est.recommended is None
+    assert "nothing fits" in est.recommendation and "--offload" in est.recommendation
+    assert "fits on about 35 devices" in est.recommendation  # 16 x 175e9 / 80e9 = 35
+    offloaded = estimate_memory(
+        "175B", devices=8, precision="bf16-mixed", offload_optimizer=True, memory_per_device=80e9
+    )
+    assert offloaded.recommended.strategy == "zero3"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("7B", 7 * 10**9), ("350M", 350 * 10**6), ("1.3b", 1_300_000_000), ("125000000", 125_000_000), ("125k", 125_000)],
+)
+def test_parse_count(text: str, expected: int) -> None:
+    assert parse_count(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "7X", "B", "-5", "1.5", "0.0005k", "7 B B", "1e"])
+def test_parse_count_errors(text: str) -> None:
+    with pytest.raises(ValueError, match="parameter count"):
+        parse_count(text)
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GB") == 80e9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("512MB") == 512e6
+    assert parse_bytes("1.5 TB") == 1.5e12
+    assert parse_bytes(1024) == parse_bytes("1024") == 1024
+    for bad in ["x", "80 GX", "GB", "-1GB", "0GB"]:
+        with pytest.raises(ValueError, match="bytes"):
+            parse_bytes(bad)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"precision": "64-true"}, "bf16-mixed"),
+        ({"devices": 0}, "devices must be"),
+        ({"nodes": 0}, "nodes must be"),
+        ({"prefetch": -1}, "prefetch must be"),
+        ({"memory_per_device": "lots"}, "bytes"),
+        ({"bandwidth_gbps": 0}, "bandwidth"),
+        ({"optimizer_state_bytes": -1}, "optimizer_state_bytes"),
+        ({"param_dtype_bytes": 2}, "mixed precision only"),
+        ({"unit_modules": ["Block"]}, "needs a model"),
+    ],
+)
+def test_invalid_inputs(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        estimate_memory(1000, **kwargs)
+    with pytest.raises(ValueError, match="at least 1"):
+        estimate_memory(0)
+
+
+def odd_model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3), nn.Linear(3, 1, bias=False))
+    model[2].bias.requires_grad_(False)  # a frozen parameter in a unit with a trainable one
+    return model
+
+
+def test_model_bytes_match_the_layout_by_hand() -> None:
+    n = 3
+    est = estimate_memory(odd_model(), devices=n, precision="bf16-mixed")
+    units = [[35, 5], [15, 3], [3]]  # default policy: one unit per Linear, in registration order
+    layouts = [ShardLayout.from_shapes([torch.Size([x]) for x in unit], n) for unit in units]
+    assert [lay.padded_numel for lay in layouts] == [42, 18, 3]
+    padded, shard = sum(lay.padded_numel for lay in layouts), sum(lay.shard_numel for lay in layouts)
+    # Optimizer states: trainable elements in each rank's shards; all but the middle unit's bias are trainable.
+    per_rank = [0] * n
+    for lay, frozen in zip(layouts, [set(), {1}, set()]):
+        for rank in range(n):
+            per_rank[rank] += sum(p.numel for p in lay.param_shards(rank) if p.param_index not in frozen)
+    assert per_rank == [21, 21, 16]
+    assert (est.numel, est.trainable_numel, est.units) == (61, 58, 3)
+    assert tuple(est.row("ddp").device) == (61 * 4, 58 * 4, 0, 58 * 8)
+    assert tuple(est.row("zero1").device) == (padded * 2, 58 * 2, shard * 4, max(per_rank) * 8)
+    assert tuple(est.row("zero2").device) == (padded * 2, shard * 4, shard * 4, max(per_rank) * 8)
+    assert tuple(est.row("zero3").device) == (0, shard * 4, shard * 4, max(per_rank) * 8)
+    assert est.row("zero3").gathered == 2 * 42 * 2  # (prefetch + 1) x the largest unit, gathered in bf16
+    assert est.row("zero3").comm_bytes == pytest.approx((padded * 4 + 2 * padded * 2) * (n - 1) / n)
+    fp32 = estimate_memory(odd_model(), devices=n)
+    assert tuple(fp32.row("zero3").device) == (shard * 4, shard * 4, 0, max(per_rank) * 8)
+
+
+def test_model_units_follow_unit_modules() -> None:
+    model = odd_model()
+    whole = estimate_memory(model, devices=3, unit_modules=[])  # one unit: the root
+    assert whole.units == 1
+    assert whole.row("zero2").device.params == 63 * 4  # 61 padded to a multiple of 3
+    assert whole.row("zero3").gathered == 63 * 4  # prefetch + 1 = 2 units, but there is only one
+    blocks = estimate_memory(model, devices=3, unit_modules=[nn.Linear])
+    assert blocks.units == 3 and blocks.row("zero2") == estimate_memory(model, devices=3).row("zero2")
+    with pytest.raises(ValueError, match="planned exactly"):
+        estimate_memory(model, largest_unit_params=10)
+
+
+def test_model_on_the_meta_device() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)])
+    est = estimate_memory(model, devices=8, unit_modules=[nn.Linear])
+    assert est.numel == 4 * (4096 * 4096 + 4096)
+    assert est.row("zero3").gathered == 2 * (4096 * 4096 + 4096) * 4
+
+
+def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--params", "7B", "--devices", "8"]) == 0
+    out = capsys.readouterr().out
+    words = " ".join(out.split())  # the assumptions below the table are wrapped
+    for text in ["112 GB", "63 GB", "38.5 GB", "14 GB", "200 GB/s", "default for one node", "Recommendation"]:
+        assert text in words
+    lines = [line for line in out.splitlines() if line.startswith("| stage 2")]
+    assert len(lines) == 1 and "38.5 GB" in lines[0]
+
+
+def test_cli_several_sizes_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--params", "7B", "--devices", "8,64,1024", "--precision", "bf16-mixed", "--memory", "80GB"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("| DDP ") == 3 and "on 1024 devices" in out
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [d["world_size"] for d in data] == [8, 64, 1024]
+    assert [r["strategy"] for r in data[0]["rows"]] == STRATEGIES
+    assert data[0]["rows"][3]["device"]["total"] == 14e9 and data[0]["recommended"] == "zero1"
+    assert main(["estimate", "--params", "1.3B", "--devices", "8", "--nodes", "2", "--offload", "--json"]) == 0
+    single = json.loads(capsys.readouterr().out)
+    assert single["world_size"] == 16 and single["offload_optimizer"] and single["bandwidth_gbps"] == INTER_NODE_GBPS
+    assert main(["estimate", "--params", "7B", "--bandwidth", "50", "--optimizer-state-bytes", "4"]) == 0
+    assert "50 GB/s (given" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--params", "seven"], "parameter count"),
+        (["--params", "7B", "--devices", "8,x"], "comma"),
+        (["--params", "7B", "--memory", "80XB"], "bytes"),
+        (["--params", "7B", "--precision", "fp8"], "invalid choice"),
+        (["--params", "7B", "--prefetch", "-1"], "prefetch"),
+        (["--params", "0"], "at least 1"),
+    ],
+)
+def test_cli_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as error:
+        main(["estimate", *argv])
+    assert error.value.code == 2
+    assert message in capsys.readouterr().err
