@@ -15,6 +15,7 @@ from unittest import mock
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
@@ -69,6 +70,7 @@ def _fit(rank: int, world_size: int, root: str) -> dict[str, dict[str, Any]]:
         "config": [],
         "name_flag": ["--trainer.strategy=zero2"],
         "class_path_flag": ["--trainer.strategy.class_path=lightning_zero.ZeRO2Strategy"],
+        "bf16_flags": ["--trainer.precision=bf16-mixed", "--trainer.strategy.init_args.reduce_dtype=bfloat16"],
     }
     results = {}
     for name, extra in runs.items():
@@ -91,6 +93,8 @@ def _fit(rank: int, world_size: int, root: str) -> dict[str, dict[str, Any]]:
             "checkpoint_format": strategy.checkpoint_format,
             "broadcast_buffers": strategy.broadcast_buffers,
             "timeout": strategy._timeout,
+            "precision": strategy.precision_plugin.precision,
+            "reduce_dtype": strategy.reduce_dtype,
             "world_size": trainer.world_size,
             "global_step": trainer.global_step,
             "validated": "val_loss" in trainer.callback_metrics,
@@ -129,6 +133,14 @@ def test_fit_from_yaml_with_class_path_and_init_args(fits: list[dict[str, dict[s
         assert run["block_size"] == 16
         assert run["schedule_steps"] == 4
         assert run["checkpoints"] == ["epoch=0-step=4.ckpt"] and run["checkpoint_is_dir"]  # sharded: a directory
+
+
+def test_precision_and_dtype_options_from_the_command_line(fits: list[dict[str, dict[str, Any]]]) -> None:
+    for rank_result in fits:
+        assert rank_result["config"]["precision"] == "32-true"
+        run = rank_result["bf16_flags"]
+        assert (run["precision"], run["reduce_dtype"]) == ("bf16-mixed", torch.bfloat16)
+        assert run["global_step"] == 4
 
 
 def test_strategy_flag_overrides_the_config(fits: list[dict[str, dict[str, Any]]]) -> None:
