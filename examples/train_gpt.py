@@ -33,7 +33,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_zero import ZeROStrategy  # importing lightning_zero registers "zero1"/"zero2"/"zero3"
-from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
 
 DEFAULT_DATA = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -376,18 +375,20 @@ class ShardingSummary(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not isinstance(trainer.strategy, ZeROStrategy) or trainer.global_step == 0:
             return
-        sharded = trainer.strategy.sharded_model
-        numel = sum(p.numel() for u in sharded.units for p in u.params)
-        memory = sharded.memory_stats()
-        theory = theory_bytes(sharded.stage, numel, trainer.world_size)
+        # The prediction comes from lightning_zero.estimate_memory, run on this model with this run's world
+        # size, precision and options (strategy.memory_report()); MB here are 2^20 bytes.
+        report = trainer.strategy.memory_report()
+        memory = report.measured
         held = memory["params"] + memory["master_params"] + memory["grads"] + memory["optimizer_states"]
+        predicted = report.row.device.total + report.row.cpu.total
         mb = 1 / 2**20
+        master = f", master {memory['master_params'] * mb:.2f}" if memory["master_params"] else ""
         self.lines = [
-            f"model state:     {held * mb:.2f} MB per rank (params {memory['params'] * mb:.2f}, grads "
-            f"{memory['grads'] * mb:.2f}, optimizer {memory['optimizer_states'] * mb:.2f}); theory "
-            f"{theory.total * mb:.2f}, DDP {theory_bytes(None, numel, trainer.world_size).total * mb:.2f}",
+            f"model state:     {held * mb:.2f} MB per rank (params {memory['params'] * mb:.2f}{master}, grads "
+            f"{memory['grads'] * mb:.2f}, optimizer {memory['optimizer_states'] * mb:.2f}); predicted "
+            f"{predicted * mb:.2f}, DDP {report.estimate.row('ddp').device.total * mb:.2f}",
             f"communication:   {self.train_bytes / trainer.global_step * mb:.2f} MB sent per rank per step "
-            f"(theory {theory_comm_bytes(sharded.stage, numel, trainer.world_size) * mb:.2f}), "
+            f"(predicted {report.row.comm_bytes * mb:.2f}), "
             f"{self.train_comm_seconds:.1f} s in collectives",
         ]
 
