@@ -157,9 +157,17 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
         assert all(u.flat.untyped_storage().nbytes() == 0 for u in units)
         # Just in time: while a unit runs forward, it is the only one gathered.
         assert seen_gathered == [{u.name} for u in units]
-    # Stage 2 and 3 free the last unit's full gradients while backward is still running.
-    still_there = [g is not None for g in during_backward["last_grads"]]
-    assert all(still_there) if stage == 1 else not any(still_there), stage
+    # Every stage reduces the last unit's gradients, and frees them, while backward is still running
+    # (asynchronously: the reduce-scatter overlaps the rest of backward).
+    assert not any(g is not None for g in during_backward["last_grads"]), stage
+    # Under no_sync (gradient accumulation) stage 1 keeps full gradients; stages 2 and 3 still reduce.
+    with sharded.no_sync(), sharded.step_context():
+        model(x).square().mean().backward()
+    kept = [p.grad is not None for p in model.parameters()]
+    assert all(kept) if stage == 1 else not any(kept), stage
+    opt.zero_grad()
+    for p in model.parameters():
+        p.grad = None
     sharded.release()
 
 

@@ -48,6 +48,10 @@ class CommStats:
         entry.bytes_sent += bytes_sent
         entry.seconds += seconds
 
+    def add_seconds(self, kind: str, seconds: float) -> None:
+        """Time spent waiting for an asynchronous collective counted in ``record`` when it was issued."""
+        self.by_kind[kind].seconds += seconds
+
     @property
     def bytes_sent(self) -> int:
         return sum(s.bytes_sent for s in self.by_kind.values())
@@ -79,6 +83,33 @@ class CommStats:
         return {
             k: {"calls": v.calls, "bytes_sent": v.bytes_sent, "seconds": v.seconds} for k, v in self.by_kind.items()
         }
+
+
+class Pending:
+    """An asynchronous collective in flight. ``wait()`` blocks until it is done (idempotent); the time
+    spent blocked, not the time it overlapped with other work, counts as time in collectives.
+
+    ``keep`` holds tensors the collective reads or writes, so that they live until it completes.
+    """
+
+    def __init__(self, stats: CommStats, kind: str, work: dist.Work | None, *keep: torch.Tensor) -> None:
+        self._stats = stats
+        self._kind = kind
+        self._work = work
+        self._keep = keep
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        start = time.perf_counter()
+        self._work.wait()
+        self._stats.add_seconds(self._kind, time.perf_counter() - start)
+        self._work = None
+        self._keep = ()
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -164,30 +195,55 @@ class Comm:
                 "empty batch), make the branch depend on all ranks, or use stage 1 or 2, which handle it."
             )
 
-    def _timed(self, kind: str, bytes_sent: int, fn, *args, **kwargs) -> None:
+    def _timed(self, kind: str, bytes_sent: int, fn, *args, async_op: bool = False, **kwargs) -> Pending | None:
         start = time.perf_counter()
-        fn(*args, **kwargs)
+        work = fn(*args, async_op=async_op, **kwargs) if async_op else fn(*args, **kwargs)
         self.stats.record(kind, bytes_sent, time.perf_counter() - start)
+        if not async_op:
+            return None
+        return Pending(self.stats, kind, work, *(a for a in args if isinstance(a, torch.Tensor)))
 
     def _ring_bytes(self, tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size() * (self.world_size - 1) // self.world_size
 
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, name: str = "", guard: bool = False) -> None:
-        """Concatenate every rank's ``shard`` into ``output`` (``shard`` may alias its own chunk)."""
+    def all_gather(
+        self, output: torch.Tensor, shard: torch.Tensor, name: str = "", guard: bool = False, async_op: bool = False
+    ) -> Pending | None:
+        """Concatenate every rank's ``shard`` into ``output`` (``shard`` may alias its own chunk). With
+        ``async_op``, return a ``Pending`` to wait on before ``output`` is read."""
         if self.world_size == 1:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
-            return
+            return Pending(self.stats, "all_gather", None) if async_op else None
         self._check("all_gather", name, output.numel(), output.device, guard)
-        self._timed("all_gather", self._ring_bytes(output), _all_gather_single, output, shard, group=self.group)
+        return self._timed(
+            "all_gather",
+            self._ring_bytes(output),
+            _all_gather_single,
+            output,
+            shard,
+            group=self.group,
+            async_op=async_op,
+        )
 
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, name: str = "") -> None:
-        """Sum ``full`` over ranks and keep this rank's chunk in ``shard``."""
+    def reduce_scatter(
+        self, shard: torch.Tensor, full: torch.Tensor, name: str = "", async_op: bool = False
+    ) -> Pending | None:
+        """Sum ``full`` over ranks and keep this rank's chunk in ``shard``. With ``async_op``, return a
+        ``Pending`` to wait on before ``shard`` is read (``full`` stays alive until then)."""
         if self.world_size == 1:
             shard.copy_(full)
-            return
+            return Pending(self.stats, "reduce_scatter", None) if async_op else None
         self._check("reduce_scatter", name, full.numel(), full.device, guard=False)
-        self._timed("reduce_scatter", self._ring_bytes(full), _reduce_scatter_single, shard, full, group=self.group)
+        return self._timed(
+            "reduce_scatter",
+            self._ring_bytes(full),
+            _reduce_scatter_single,
+            shard,
+            full,
+            group=self.group,
+            async_op=async_op,
+        )
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         if self.world_size == 1:

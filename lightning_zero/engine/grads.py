@@ -2,12 +2,19 @@
 
 [Note: reduce order]
 Every rank must issue the same collectives in the same order. Units are therefore reduced in
-one fixed order, the reverse of registration order (which is the usual order of backward). With
-``reduce_in_backward`` (stages 2 and 3), a unit is reduced from a gradient hook as soon as all
-of its trainable parameters have their gradient *and* every unit before it in that order has been
-reduced; whatever is left (parameters unused in this backward, on this rank) is reduced when
-the backward pass ends. Without it (stage 1), all units are reduced when the backward ends,
-unless gradient synchronisation is switched off (``no_sync``, gradient accumulation).
+one fixed order, the reverse of registration order (which is the usual order of backward). A
+unit is reduced from a gradient hook as soon as all of its trainable parameters have their
+gradient *and* every unit before it in that order has been reduced; whatever is left
+(parameters unused in this backward, on this rank) is reduced when the backward pass ends.
+Stage 1 reduces only on the micro-batch that synchronises: under ``no_sync`` (gradient
+accumulation) it keeps accumulating full gradients; stages 2 and 3 reduce every micro-batch.
+
+[Note: overlap]
+Each reduce-scatter is issued asynchronously, so that it runs while backward goes on computing
+the gradients of the units below. At most ``max_in_flight`` are in flight: issuing one more
+first waits for the oldest, which bounds the full-size gradient buffers alive at once. The rest
+are waited for when backward ends, before anything reads a sharded gradient. Full-size buffers
+are reused from step to step (a pool of at most ``max_in_flight + 1`` per size).
 
 [Note: which gradients exist]
 DDP leaves ``grad`` as ``None`` for a parameter that no rank used. To match it, each rank
@@ -19,13 +26,14 @@ of the reduce-scatter output; later micro-batches add into it, and the user's
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch.autograd import Variable
 
-from lightning_zero.engine.unit import ShardedUnit
+from lightning_zero.engine.unit import ReducedGrads, ShardedUnit
 
 UnitCallback = Callable[[ShardedUnit], None]
 
@@ -35,7 +43,7 @@ class GradReducer:
 
     Example::
 
-        reducer = GradReducer(units, reduce_in_backward=True)
+        reducer = GradReducer(units, reduce_every_micro_batch=True)
         reducer.install()               # gradient hooks on every trainable parameter
         loss.backward()                 # units are reduced as their gradients complete
         shard_param.grad                # this rank's slice of the averaged gradient
@@ -44,21 +52,25 @@ class GradReducer:
     def __init__(
         self,
         units: list[ShardedUnit],
-        reduce_in_backward: bool,
+        reduce_every_micro_batch: bool,
         after_unit_reduced: UnitCallback | None = None,
         after_backward: Callable[[], None] | None = None,
+        max_in_flight: int = 2,
     ) -> None:
         self.units = units
         self.order = [u for u in reversed(units) if u.trainable_indices]
-        self.reduce_in_backward = reduce_in_backward
+        self.reduce_every_micro_batch = reduce_every_micro_batch
         self.after_unit_reduced = after_unit_reduced
         self.after_backward = after_backward
+        self.max_in_flight = max(1, max_in_flight)
         self.sync_enabled = True
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._pool: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
         # Per-backward state.
         self._ready: dict[ShardedUnit, set[int]] = {u: set() for u in self.order}
         self._next = 0
         self._callback_queued = False
+        self._in_flight: deque[ReducedGrads] = deque()
         self._pending: list[tuple[ShardedUnit, torch.Tensor, list[bool]]] = []
 
     # ------------------------------------------------------------------ hooks
@@ -76,7 +88,7 @@ class GradReducer:
     def _make_hook(self, unit: ShardedUnit, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
             self.queue_finish()
-            if not (self.reduce_in_backward and self.sync_enabled):
+            if not self.sync_enabled:
                 return
             self._ready[unit].add(index)
             self._reduce_ready_in_order()
@@ -93,7 +105,7 @@ class GradReducer:
     def no_sync(self) -> Iterator[None]:
         """Keep gradients local (stage 1 accumulates full gradients; stages 2 and 3 ignore this)."""
         previous = self.sync_enabled
-        self.sync_enabled = self.reduce_in_backward
+        self.sync_enabled = self.reduce_every_micro_batch
         try:
             yield
         finally:
@@ -108,11 +120,28 @@ class GradReducer:
             self._reduce(self.order[self._next])
 
     def _reduce(self, unit: ShardedUnit) -> None:
-        shard_grad, had_grad = unit.reduce_grads()
-        self._pending.append((unit, shard_grad, had_grad))
+        key = (unit.layout.padded_numel, unit.reduce_dtype, unit.device)
+        free = self._pool.get(key)
+        buffer = free.pop() if free else None
+        self._in_flight.append(unit.reduce_grads(async_op=True, buffer=buffer, give_back=self._give_back))
         self._next += 1
+        while len(self._in_flight) > self.max_in_flight:
+            self._complete_oldest()
         if self.after_unit_reduced is not None:
             self.after_unit_reduced(unit)
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        free = self._pool.setdefault((buffer.numel(), buffer.dtype, buffer.device), [])
+        if len(free) <= self.max_in_flight:
+            free.append(buffer)
+
+    def _complete_oldest(self) -> None:
+        reduced = self._in_flight.popleft()
+        self._pending.append((reduced.unit, reduced.wait(), reduced.had_grad))
+
+    def drop_buffers(self) -> None:
+        """Free the reusable gradient buffers (they are reallocated when needed)."""
+        self._pool.clear()
 
     def finish_backward(self) -> None:
         """Reduce what is left, decide which sharded gradients exist, attach them."""
@@ -121,8 +150,12 @@ class GradReducer:
             if self.sync_enabled:
                 while self._next < len(self.order):
                     self._reduce(self.order[self._next])
+                while self._in_flight:
+                    self._complete_oldest()
                 self._attach_pending()
         finally:
+            while self._in_flight:  # after an error: nothing may still write into freed memory
+                self._in_flight.popleft().wait()
             self._next = 0
             self._callback_queued = False
             self._pending.clear()

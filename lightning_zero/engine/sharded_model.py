@@ -56,6 +56,8 @@ class ShardedModel:
         offload_optimizer: bool = False,
         device: torch.device | None = None,
         meta_writes: Counter[int] | None = None,
+        prefetch: int = 1,
+        reshard_after_forward: bool = True,
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
@@ -116,9 +118,11 @@ class ShardedModel:
         self._sync_buffers()
 
         self.stage3: Stage3Hooks | None = None
-        self.reducer = GradReducer(self.units, reduce_in_backward=stage >= 2)
+        self.reducer = GradReducer(self.units, reduce_every_micro_batch=stage >= 2)
         if stage == 3:
-            self.stage3 = Stage3Hooks(self.units, self.reducer.queue_finish)
+            self.stage3 = Stage3Hooks(
+                self.units, self.reducer.queue_finish, prefetch=prefetch, reshard_after_forward=reshard_after_forward
+            )
             self.reducer.after_unit_reduced = self.stage3.after_unit_reduced
             self.reducer.after_backward = self.stage3.after_backward
             self.stage3.install()
@@ -137,12 +141,15 @@ class ShardedModel:
         finally:
             self.end_step()
 
-    def begin_step(self, sync_buffers: bool = True) -> None:
-        """Start a step: rank 0's buffers everywhere (training), the root unit held (stage 3)."""
+    def begin_step(self, sync_buffers: bool = True, training: bool = True) -> None:
+        """Start a step: rank 0's buffers everywhere (training), the root unit held and the first units
+        prefetched (stage 3; see [Note: prefetch] in ``stage3.py``)."""
         if sync_buffers:
             self._sync_buffers()
-        if self.stage3 is not None and self.root_unit is not None:
-            self.stage3.hold(self.root_unit)
+        if self.stage3 is not None:
+            if self.root_unit is not None:
+                self.stage3.hold(self.root_unit)
+            self.stage3.begin_forward(training and torch.is_grad_enabled())
 
     @property
     def root_held(self) -> bool:
@@ -150,8 +157,10 @@ class ShardedModel:
         return self.stage3 is not None and self.root_unit in self.stage3.held
 
     def end_step(self) -> None:
-        if self.stage3 is not None and self.root_unit is not None:
-            self.stage3.unhold(self.root_unit)
+        if self.stage3 is not None:
+            if self.root_unit is not None:
+                self.stage3.unhold(self.root_unit)
+            self.stage3.end_step()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -182,9 +191,12 @@ class ShardedModel:
         self.optimizers.append(optimizer)
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Spread the updated shards of ``optimizer``'s units to every rank (one all-gather per unit)."""
-        for unit in self.units_of(optimizer):
-            unit.gather_updated_shards()
+        """Spread the updated shards of ``optimizer``'s units to every rank (one all-gather per unit, all
+        issued before any is waited for)."""
+        pending = [unit.gather_updated_shards(async_op=True) for unit in self.units_of(optimizer)]
+        for work in pending:
+            if work is not None:
+                work.wait()
 
     def units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
         """The units whose parameters ``optimizer`` steps (worked out once per param-group shape: this

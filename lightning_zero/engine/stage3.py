@@ -6,6 +6,17 @@
   activation-checkpointing recomputation runs the forward inside backward);
 - after the unit's gradients are reduced (``GradReducer``), or when backward ends: ``reshard()``.
 
+[Note: prefetch]
+The order in which units run is recorded on the first training step, once for forward and once
+for backward. On later steps, when unit ``k`` of that order starts, the all-gathers of the next
+``prefetch`` units are issued asynchronously, so that they travel while unit ``k`` computes; the
+unit's own hook then only waits. At most ``prefetch + 1`` units (plus the held root unit) are
+gathered at once. A step that leaves the recorded order (control flow that changed) simply stops
+prefetching for the rest of that pass, and units prefetched but not used are freed when the
+backward pass or the step ends. ``reshard_after_forward=False`` keeps each unit gathered from its
+forward until its gradients are reduced: no second all-gather in backward (``2Ψ`` instead of
+``3Ψ`` communication) for the memory of all units at once.
+
 The root unit (parameters the ``LightningModule`` owns directly, or weights tied across
 branches) is used outside any submodule's forward, in ``training_step`` itself: during a step
 ``ShardedModel.begin_step`` / ``end_step`` *hold* it (``hold`` / ``unhold``), and the hooks above
@@ -35,12 +46,24 @@ class Stage3Hooks:
         out = model(x)          # units gathered one at a time, released after their forward
     """
 
-    def __init__(self, units: list[ShardedUnit], queue_finish: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        units: list[ShardedUnit],
+        queue_finish: Callable[[], None],
+        prefetch: int = 1,
+        reshard_after_forward: bool = True,
+    ) -> None:
         self.units = units
         self.queue_finish = queue_finish
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
         self.in_backward: set[ShardedUnit] = set()
         self.held: set[ShardedUnit] = set()
         self._handles: list[Any] = []
+        self.forward_order = _Order()
+        self.backward_order = _Order()
+        self._training = False
+        self._backward_started = False
 
     def install(self) -> None:
         for unit in self.units:
@@ -53,8 +76,22 @@ class Stage3Hooks:
             handle.remove()
         self._handles.clear()
 
+    # ------------------------------------------------------------------ prefetch
+    def begin_forward(self, training: bool) -> None:
+        """A step starts: prefetch (or, on the first training step, record) in the forward order."""
+        self._training = training
+        if training:
+            self._prefetch(self.forward_order.start())
+
+    def _prefetch(self, upcoming: list[ShardedUnit]) -> None:
+        for unit in upcoming[: self.prefetch]:
+            if unit not in self.held:
+                unit.unshard(async_op=True)
+
     def _pre_forward(self, unit: ShardedUnit):
         def hook(_module: torch.nn.Module, _args: Any) -> None:
+            if self._training and torch.is_grad_enabled() and unit not in self.held:
+                self._prefetch(self.forward_order.reached(unit))
             unit.unshard()
 
         return hook
@@ -62,9 +99,11 @@ class Stage3Hooks:
     def _post_forward(self, unit: ShardedUnit):
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors and torch.is_grad_enabled():
+            training = tensors and torch.is_grad_enabled()
+            if training:
                 register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-            if unit not in self.in_backward and unit not in self.held:
+            keep = training and not self.reshard_after_forward
+            if unit not in self.in_backward and unit not in self.held and not keep:
                 unit.reshard()
 
         return hook
@@ -72,7 +111,13 @@ class Stage3Hooks:
     def _pre_backward(self, unit: ShardedUnit):
         def hook(_grad: torch.Tensor) -> None:
             self.queue_finish()
+            if not self._backward_started:
+                self._backward_started = True
+                self.forward_order.finish()
+                self.backward_order.start()
             self.in_backward.add(unit)
+            if unit not in self.held:
+                self._prefetch(self.backward_order.reached(unit))
             unit.unshard()
 
         return hook
@@ -86,9 +131,24 @@ class Stage3Hooks:
                 unit.reshard()
 
     def after_backward(self) -> None:
+        self.backward_order.finish()
+        self._backward_started = False
         for unit in self.in_backward - self.held:
             unit.reshard()
         self.in_backward.clear()
+        self._free_unused()
+
+    def _free_unused(self) -> None:
+        """Units gathered but not in use (prefetched for a pass that went elsewhere, kept after forward)."""
+        for unit in self.units:
+            if unit.is_unsharded and unit not in self.held and unit not in self.in_backward:
+                unit.reshard()
+
+    def end_step(self) -> None:
+        self.forward_order.finish()
+        self._training = False
+        if not self.in_backward:
+            self._free_unused()
 
     def hold(self, unit: ShardedUnit) -> None:
         """Gather ``unit`` and keep it gathered until ``unhold`` (the root unit during a step)."""
@@ -98,3 +158,40 @@ class Stage3Hooks:
     def unhold(self, unit: ShardedUnit) -> None:
         self.held.discard(unit)
         unit.reshard()
+
+
+class _Order:
+    """The order in which units ran on the first training step, and where this step is in it (see
+    [Note: prefetch])."""
+
+    def __init__(self) -> None:
+        self.recorded: list[ShardedUnit] | None = None
+        self._recording: list[ShardedUnit] | None = None
+        self._position: int | None = None
+
+    def start(self) -> list[ShardedUnit]:
+        """A pass begins: record it if nothing is recorded yet; return the units to prefetch first."""
+        if self.recorded is None:
+            self._recording = []
+            return []
+        self._position = 0
+        return self.recorded
+
+    def reached(self, unit: ShardedUnit) -> list[ShardedUnit]:
+        """``unit`` starts now; the units that follow it in the recorded order (empty when off track)."""
+        if self._recording is not None:
+            self._recording.append(unit)
+            return []
+        if self._position is None or self.recorded is None:
+            return []
+        if self._position < len(self.recorded) and self.recorded[self._position] is unit:
+            self._position += 1
+            return self.recorded[self._position :]
+        self._position = None  # this pass left the recorded order: no more prefetching in it
+        return []
+
+    def finish(self) -> None:
+        if self._recording is not None:
+            self.recorded = self._recording or None
+            self._recording = None
+        self._position = None

@@ -34,11 +34,12 @@ gradients are dropped.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from lightning_zero.engine.comm import Comm
+from lightning_zero.engine.comm import Comm, Pending
 from lightning_zero.engine.layout import ParamShard, ShardLayout
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -118,6 +119,7 @@ class ShardedUnit:
             self.master = self.flat[start:end].clone() if reshard_after_forward else self.flat[start:end]
             self.shard = self.master
         self._point_params_into(self.flat)
+        self._gathering: Pending | None = None  # an all-gather into ``flat`` in flight (prefetch)
         self.shard_params = [self._make_shard_param(p, piece) for p, piece in zip(params, self.param_shards)]
         self.state = UnitState.UNSHARDED
         self.reshard()
@@ -150,34 +152,52 @@ class ShardedUnit:
         return self.master.to(device=self.device, dtype=self.dtype)
 
     # ------------------------------------------------------------------ parameters
-    def unshard(self) -> None:
-        """Make the full parameters usable (idempotent; a no-op for stages 1 and 2)."""
+    def unshard(self, async_op: bool = False) -> None:
+        """Make the full parameters usable (idempotent; a no-op for stages 1 and 2). ``async_op``
+        (prefetch) only issues the all-gather: a later ``unshard()`` waits for it."""
         if self.state is UnitState.UNSHARDED:
+            if not async_op:
+                self.wait_gather()
             return
         storage = self.flat.untyped_storage()
         storage.resize_(self.layout.padded_numel * self.flat.element_size())
         with torch.no_grad():
             # Which unit is gathered when depends on the model's control flow: checked (see
             # [Note: collective checks] in comm.py).
-            self.comm.all_gather(self.flat, self._gather_source(), name=self.name, guard=True)
+            self._gathering = self.comm.all_gather(
+                self.flat, self._gather_source(), name=self.name, guard=True, async_op=async_op
+            )
         self.state = UnitState.UNSHARDED
+
+    @property
+    def gather_in_flight(self) -> bool:
+        return self._gathering is not None
+
+    def wait_gather(self) -> None:
+        """Wait for a prefetching all-gather, if one is in flight."""
+        if self._gathering is not None:
+            self._gathering.wait()
+            self._gathering = None
 
     def reshard(self) -> None:
         """Free the full parameters (idempotent; a no-op for stages 1 and 2)."""
         if not self.reshard_after_forward or self.state is UnitState.SHARDED:
             return
+        self.wait_gather()
         self.flat.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 
-    def gather_updated_shards(self) -> None:
+    def gather_updated_shards(self, async_op: bool = False) -> Pending | None:
         """After the optimizer stepped the master shard: refresh the compute shard, then the full
-        parameters (stages 1 and 2) or the gathered copy if one is held (stage 3)."""
+        parameters (stages 1 and 2) or the gathered copy if one is held (stage 3). With ``async_op``,
+        return the all-gather in flight (wait on it before the parameters are read)."""
         with torch.no_grad():
             if self.separate_master and self.shard is not None:
                 self.shard.copy_(self.master, non_blocking=self.offload)
             if self.reshard_after_forward and self.state is not UnitState.UNSHARDED:
-                return
-            self.comm.all_gather(self.flat, self._gather_source(), name=self.name)
+                return None
+            self.wait_gather()
+            return self.comm.all_gather(self.flat, self._gather_source(), name=self.name, async_op=async_op)
 
     def full_flat(self) -> torch.Tensor:
         """A full copy of the flat buffer in the master dtype, gathered (for state dicts)."""
@@ -224,25 +244,37 @@ class ShardedUnit:
         self.state = UnitState.UNSHARDED
 
     # ------------------------------------------------------------------ gradients
-    def reduce_grads(self) -> tuple[torch.Tensor, list[bool]]:
-        """Reduce-scatter the mean of the full gradients in ``reduce_dtype``; return (this rank's shard in
-        the master dtype, on the master device; which params had a gradient here). The full gradients are
-        dropped."""
-        flat_grad = torch.zeros(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
+    def reduce_grads(
+        self,
+        async_op: bool = False,
+        buffer: torch.Tensor | None = None,
+        give_back: Callable[[torch.Tensor], None] | None = None,
+    ) -> ReducedGrads:
+        """Reduce-scatter the mean of the full gradients in ``reduce_dtype`` (see ``ReducedGrads``); the
+        full gradients are dropped. ``buffer`` (``padded_numel`` elements of ``reduce_dtype``, any content)
+        is used instead of a new one and handed to ``give_back`` once the collective is done. With
+        ``async_op`` the reduction is in flight on return: ``ReducedGrads.wait()`` before reading it."""
+        flat_grad = (
+            buffer
+            if buffer is not None
+            else torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
+        )
         had_grad = []
         for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
             had_grad.append(param.grad is not None)
+            region = flat_grad[offset : offset + numel]
             if param.grad is not None:
-                flat_grad[offset : offset + numel].copy_(param.grad.reshape(-1))
+                region.copy_(param.grad.reshape(-1))
                 param.grad = None
+            else:
+                region.zero_()
+        flat_grad[self.layout.numel :].zero_()  # the padding
         # Divide before summing, as DDP does, so that two ranks give bit-identical results.
         if self.comm.world_size > 1:
             flat_grad.div_(self.comm.world_size)
         out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        self.comm.reduce_scatter(out, flat_grad, name=self.name)
-        if out.dtype != self.master_dtype or self.master_device != self.device:
-            out = out.to(device=self.master_device, dtype=self.master_dtype)
-        return out, had_grad
+        pending = self.comm.reduce_scatter(out, flat_grad, name=self.name, async_op=async_op)
+        return ReducedGrads(self, out, had_grad, pending, flat_grad, give_back)
 
     # ------------------------------------------------------------------ accounting
     def persistent_param_bytes(self) -> int:
@@ -255,6 +287,48 @@ class ShardedUnit:
     def master_bytes(self) -> int:
         """Bytes of the master shard where it is stored apart from the compute copy (else 0)."""
         return self.layout.shard_numel * self.master.element_size() if self.separate_master else 0
+
+
+class ReducedGrads:
+    """One unit's reduce-scatter, possibly in flight. ``wait()`` returns this rank's shard of the averaged
+    gradient, in the master dtype and on the master device, and hands the full-size buffer back for reuse."""
+
+    def __init__(
+        self,
+        unit: ShardedUnit,
+        out: torch.Tensor,
+        had_grad: list[bool],
+        pending: Pending | None,
+        buffer: torch.Tensor,
+        give_back: Callable[[torch.Tensor], None] | None,
+    ) -> None:
+        self.unit = unit
+        self.had_grad = had_grad
+        self._out = out
+        self._pending = pending
+        self._buffer: torch.Tensor | None = buffer
+        self._give_back = give_back
+        if pending is None:
+            self._release_buffer()
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    def _release_buffer(self) -> None:
+        if self._buffer is not None and self._give_back is not None:
+            self._give_back(self._buffer)
+        self._buffer = None
+
+    def wait(self) -> torch.Tensor:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            self._release_buffer()
+        unit = self.unit
+        if self._out.dtype != unit.master_dtype or unit.master_device != unit.device:
+            self._out = self._out.to(device=unit.master_device, dtype=unit.master_dtype)
+        return self._out
 
 
 def check_unit_params(name: str, params: list[nn.Parameter], names: list[str]) -> None:

@@ -399,7 +399,7 @@ class ZeROStrategy(ParallelStrategy):
         held_already = (
             root is not None and self.sharded_model.stage3 is not None and root in self.sharded_model.stage3.held
         )
-        self.sharded_model.begin_step(sync_buffers=False)
+        self.sharded_model.begin_step(sync_buffers=False, training=False)
         try:
             yield
         finally:
