@@ -149,12 +149,12 @@ def build_fsdp2(ctx: BuildContext) -> Trainee:
 class _ShardedTrainee:
     """Our engine, driven as ``ShardedModel``'s docstring shows."""
 
-    def __init__(self, ctx: BuildContext, stage: int) -> None:
+    def __init__(self, ctx: BuildContext, stage: int, checks: str = "off", **options: Any) -> None:
         from lightning_zero.engine import Comm, ShardedModel, module_class_policy
 
         self.model = ctx.model()
         self.sharded = ShardedModel(
-            self.model, stage=stage, comm=Comm(checks="off"), policy=module_class_policy(["Block"])
+            self.model, stage=stage, comm=Comm(checks=checks), policy=module_class_policy(["Block"]), **options
         )
         self.optimizer = ctx.adamw.make(self.model.parameters())
         self.sharded.bind_optimizer(self.optimizer)
@@ -182,9 +182,9 @@ class _ShardedTrainee:
         self.model = self.sharded = self.optimizer = None  # type: ignore[assignment]
 
 
-def build_ours(stage: int) -> Callable[[BuildContext], Trainee]:
+def build_ours(stage: int, **options: Any) -> Callable[[BuildContext], Trainee]:
     def build(ctx: BuildContext) -> Trainee:
-        return _ShardedTrainee(ctx, stage)
+        return _ShardedTrainee(ctx, stage, **options)
 
     return build
 
@@ -280,6 +280,20 @@ SYSTEMS: dict[str, SystemSpec] = {
             for s in (1, 2, 3)
         ),
         *(SystemSpec(f"zero{s}", f"lightning_zero stage {s}", s, build_ours(s), family="ours") for s in (1, 2, 3)),
+        SystemSpec(
+            "zero3-checked",
+            "lightning_zero stage 3, collective_checks='auto' (the strategies' default)",
+            3,
+            build_ours(3, checks="auto"),
+            family="ours",
+        ),
+        SystemSpec(
+            "zero3-keep",
+            "lightning_zero stage 3, reshard_after_forward=False (2Ψ)",
+            3,
+            build_ours(3, reshard_after_forward=False),
+            family="ours",
+        ),
     )
 }
 DEFAULT_SYSTEMS = list(SYSTEMS)

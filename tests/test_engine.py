@@ -410,3 +410,47 @@ def test_non_floating_parameter_is_refused_and_the_model_left_untouched() -> Non
         ShardedModel(model, stage=3, comm=Comm())
     for key, value in before.items():  # checked before anything was sharded: still readable, unchanged
         assert torch.equal(model.state_dict()[key], value), key
+
+
+def _prefetch_and_reshard_options(rank: int, world_size: int) -> None:
+    x = torch.randn(4, 16)
+    for prefetch, reshard in ((1, True), (2, True), (1, False)):
+        torch.manual_seed(0)
+        model = _mlp()
+        sharded = ShardedModel(model, stage=3, comm=Comm(), prefetch=prefetch, reshard_after_forward=reshard)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sharded.bind_optimizer(opt)
+        units = sharded.units
+        seen: list[tuple[str, set[str]]] = []
+        for unit in units:  # registered after the engine's hooks: they see what the engine left gathered
+            unit.module.register_forward_pre_hook(
+                lambda module, _args, name=unit.name, seen=seen, units=units: seen.append(
+                    (name, {u.name for u in units if u.is_unsharded})
+                )
+            )
+        gathers = []
+        for _step in range(3):
+            seen.clear()
+            before = sharded.comm.stats.snapshot()
+            with sharded.step_context():
+                model(x).square().mean().backward()
+            opt.step()
+            sharded.after_optimizer_step(opt)
+            opt.zero_grad()
+            gathers.append(sharded.comm.stats.since(before).calls("all_gather"))
+            assert all(u.flat.untyped_storage().nbytes() == 0 for u in units), "every unit is freed after the step"
+        where = f"prefetch={prefetch} reshard_after_forward={reshard}"
+        names = [u.name for u in units]
+        for position, (name, gathered) in enumerate(seen):  # the last step: prefetching along the recorded order
+            ahead = set(names[position : position + 1 + prefetch])
+            if reshard:
+                assert name in gathered and gathered <= ahead, (where, name, gathered)
+            else:  # kept from forward: everything already run, plus what is prefetched
+                assert gathered <= set(names[: position + 1 + prefetch]), (where, name, gathered)
+        # Communication: a gather per unit in forward, and again in backward unless kept after forward.
+        assert gathers == [len(units) * (2 if reshard else 1)] * 3, (where, gathers)
+        sharded.release()
+
+
+def test_prefetch_is_bounded_and_reshard_after_forward_saves_the_backward_gather() -> None:
+    spawn(_prefetch_and_reshard_options, world_size=2)

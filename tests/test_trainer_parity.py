@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_zero  # noqa: F401  registers the strategy names
-from lightning_zero import ZeROStrategy
+from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
@@ -110,3 +110,26 @@ def test_every_stage_matches_ddp(case: str) -> None:
 
 def test_single_device_matches_ddp() -> None:
     spawn(_compare, world_size=1, cases=[({"optimizer": "sgd", "param_groups": True}, {}, ALL)])
+
+
+def _overlap_options(rank: int, world_size: int) -> None:
+    """Prefetch depth, keeping stage-3 units gathered between forward and backward, and bucket sizes
+    change when bytes move, never the result: bitwise equal to DDP, with the expected collectives."""
+    model_kwargs: dict[str, Any] = {"optimizer": "adamw", "param_groups": True, "unused": True}
+    ddp = _train(DDPStrategy(find_unused_parameters=True), world_size, model_kwargs, {})
+    variants = {
+        "prefetch=0": lambda: ZeRO3Strategy(prefetch=0),
+        "prefetch=3": lambda: ZeRO3Strategy(prefetch=3),
+        "reshard_after_forward=False": lambda: ZeRO3Strategy(reshard_after_forward=False),
+        "bucket_size_mb=0 (a unit per module)": lambda: ZeRO2Strategy(bucket_size_mb=0),
+        "bucket_size_mb=1e-4 (a few buckets)": lambda: ZeRO1Strategy(bucket_size_mb=1e-4),
+    }
+    for name, make in variants.items():
+        got = _train(make(), world_size, model_kwargs, {})
+        assert got["losses"] == ddp["losses"], name
+        for key, value in ddp["state"].items():
+            assert torch.equal(got["state"][key], value), f"{name}: {key}"
+
+
+def test_overlap_options_match_ddp() -> None:
+    spawn(_overlap_options, world_size=2, timeout=300)

@@ -120,6 +120,7 @@ class GradReducer:
             self._reduce(self.order[self._next])
 
     def _reduce(self, unit: ShardedUnit) -> None:
+        _check_frozen(unit)  # before its gradients are packed with the trainable ones
         key = (unit.layout.padded_numel, unit.reduce_dtype, unit.device)
         free = self._pool.get(key)
         buffer = free.pop() if free else None
@@ -166,14 +167,7 @@ class GradReducer:
 
     def _check_frozen_stay_frozen(self) -> None:
         for unit in self.units:
-            for index in unit.frozen_indices:
-                if unit.params[index].grad is not None:
-                    raise RuntimeError(
-                        f"parameter {unit.param_names[index]!r} was frozen (requires_grad=False) when training "
-                        "started and now has a gradient. ZeRO fixes the set of trainable parameters at setup: "
-                        "unfreeze before trainer.fit (or freeze with requires_grad_ only the parameters that stay "
-                        "frozen for the whole run, and put the rest in the optimizer with lr=0 until needed)."
-                    )
+            _check_frozen(unit)
 
     def _attach_pending(self) -> None:
         if not self._pending:
@@ -194,3 +188,14 @@ class GradReducer:
                 else:
                     shard_param.grad.add_(region)
             position += len(had_grad)
+
+
+def _check_frozen(unit: ShardedUnit) -> None:
+    for index in unit.frozen_indices:
+        if unit.params[index].grad is not None:
+            raise RuntimeError(
+                f"parameter {unit.param_names[index]!r} was frozen (requires_grad=False) when training "
+                "started and now has a gradient. ZeRO fixes the set of trainable parameters at setup: "
+                "unfreeze before trainer.fit (or freeze with requires_grad_ only the parameters that stay "
+                "frozen for the whole run, and put the rest in the optimizer with lr=0 until needed)."
+            )

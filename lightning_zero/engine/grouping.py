@@ -102,3 +102,45 @@ def plan_units(module: nn.Module, policy: UnitPolicy = owns_parameters) -> list[
             )
         )
     return plans
+
+
+def bucket_units(plans: list[UnitPlan], bucket_numel: int) -> list[UnitPlan]:
+    """Stages 1 and 2: merge consecutive units (in registration order) into buckets of at least
+    ``bucket_numel`` elements, so that each collective moves enough bytes to be efficient. Only units of
+    the same dtype and device merge. Under these stages a unit is only the granularity of collectives
+    (parameters are never gathered per module), so any grouping gives the same results.
+
+    Example::
+
+        plans = bucket_units(plan_units(model), bucket_numel=25 * 2**20 // 4)   # about 25 MB of fp32
+    """
+    if bucket_numel <= 0:
+        return plans
+    buckets: list[UnitPlan] = []
+    current: list[UnitPlan] = []
+
+    def close() -> None:
+        if not current:
+            return
+        first, last = current[0], current[-1]
+        name = first.name if len(current) == 1 else f"{first.name}..{last.name}"
+        buckets.append(
+            UnitPlan(
+                name=name,
+                module=first.module,
+                params=[p for plan in current for p in plan.params],
+                param_names=[n for plan in current for n in plan.param_names],
+            )
+        )
+        current.clear()
+
+    for plan in plans:
+        if current and (
+            plan.params[0].dtype != current[0].params[0].dtype or plan.params[0].device != current[0].params[0].device
+        ):
+            close()
+        current.append(plan)
+        if sum(p.numel() for c in current for p in c.params) >= bucket_numel:
+            close()
+    close()
+    return buckets

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import Comm
 from lightning_zero.engine.grads import GradReducer
-from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, owns_parameters, plan_units
+from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, bucket_units, owns_parameters, plan_units
 from lightning_zero.engine.layout import ParamShard
 from lightning_zero.engine.materialize import check_meta_writes, has_meta_tensors, materialize_units
 from lightning_zero.engine.optimizer import bind_optimizer, is_param_shaped, slice_state
@@ -58,6 +58,7 @@ class ShardedModel:
         meta_writes: Counter[int] | None = None,
         prefetch: int = 1,
         reshard_after_forward: bool = True,
+        bucket_numel: int = 0,
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
@@ -69,6 +70,8 @@ class ShardedModel:
             )
         for plan in plans:  # all of them before sharding any: a refused model is left untouched
             check_unit_params(plan.name, plan.params, plan.param_names)
+        if stage < 3:
+            plans = bucket_units(plans, bucket_numel)
         self.module = module
         self.stage = stage
         self.comm = comm

@@ -63,6 +63,7 @@ from lightning_zero.strategies.options import (
     check_option_names,
     parse_dtype,
     validate_options,
+    validate_overlap_options,
 )
 from lightning_zero.strategies.precision import NonFinitePolicy, ZeROPrecision
 from lightning_zero.strategies.stats import log_step_stats
@@ -115,6 +116,15 @@ class ZeROStrategy(ParallelStrategy):
         meta_init: Build the layers of ``LightningModule.configure_model`` on the ``meta`` device and create
             them one unit at a time, already sharded, with each module's ``reset_parameters()``, so that
             the full model never exists on one rank. Default: ``True`` for stage 3, ``False`` otherwise.
+        bucket_size_mb: Stages 1 and 2: units smaller than this are merged (in registration order) into
+            buckets of about this many megabytes (2^20 bytes), one reduce-scatter and one all-gather each,
+            as ``DDPStrategy``'s ``bucket_cap_mb``. Default: 25 without ``unit_modules``, no merging with it.
+            Stage 3 gathers per unit, so its units follow ``unit_modules`` instead.
+        prefetch: Stage 3: how many units ahead to all-gather while the current one computes (``0``: none),
+            in the order recorded on the first training step. Default 1.
+        reshard_after_forward: Stage 3: ``True`` (default) frees each unit after its forward and gathers it
+            again in backward (``3Ψ`` communication, least memory); ``False`` keeps it gathered until its
+            gradients are reduced (``2Ψ``, as stages 1 and 2, for the memory of every unit at once).
         start_method: How Lightning starts processes when it launches them itself: ``"popen"``
             (re-runs the script, the default, as for ``DDPStrategy``), ``"spawn"``, ``"fork"``
             or ``"forkserver"``.
@@ -143,6 +153,9 @@ class ZeROStrategy(ParallelStrategy):
         reduce_dtype: torch.dtype | str | None = None,
         offload_optimizer: bool = False,
         meta_init: bool | None = None,
+        bucket_size_mb: float | None = None,
+        prefetch: int = 1,
+        reshard_after_forward: bool = True,
         start_method: StartMethod = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -163,6 +176,12 @@ class ZeROStrategy(ParallelStrategy):
             offload_optimizer=offload_optimizer,
             meta_init=meta_init,
         )
+        validate_overlap_options(self.stage, bucket_size_mb, prefetch, reshard_after_forward)
+        # Default buckets only where the units are ours to choose: unit_modules given means those units.
+        default_buckets = bucket_size_mb is None and self.stage < 3 and unit_modules is None
+        self.bucket_size_mb = 25.0 if default_buckets else bucket_size_mb
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
         self.param_dtype = parse_dtype("param_dtype", param_dtype)
         self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype)
         self.offload_optimizer = offload_optimizer
@@ -303,6 +322,9 @@ class ZeROStrategy(ParallelStrategy):
             offload_optimizer=self.offload_optimizer,
             device=self.root_device,
             meta_writes=self._meta_writes,
+            prefetch=self.prefetch,
+            reshard_after_forward=self.reshard_after_forward,
+            bucket_numel=_bucket_numel(self.bucket_size_mb, self.model),
         )
         self._meta_writes = None
         self._sharded.comm.register_names([LIGHTNING_REDUCE])
@@ -574,6 +596,13 @@ class ZeROStrategy(ParallelStrategy):
                 self._sharded.comm.check_next("all_reduce", LIGHTNING_REDUCE, tensor.numel(), tensor.device)
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def _bucket_numel(bucket_size_mb: float | None, module: Module) -> int:
+    if not bucket_size_mb:
+        return 0
+    element = next((p.element_size() for p in module.parameters()), 4)
+    return int(bucket_size_mb * 2**20) // element
 
 
 def _move_real_tensors(module: Module, device: torch.device) -> None:

@@ -119,3 +119,24 @@ def parse_dtype(option: str, value: Any) -> torch.dtype | None:
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"{option} must be float32, bfloat16 or float16, got {dtype}")
     return dtype
+
+
+def validate_overlap_options(stage: int, bucket_size_mb: Any, prefetch: Any, reshard_after_forward: Any) -> None:
+    """The communication options, each for the stages it applies to."""
+    if bucket_size_mb is not None:
+        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb < 0:
+            raise ValueError(f"bucket_size_mb must be a number of megabytes >= 0, got {bucket_size_mb!r}")
+        if stage == 3:
+            raise ValueError(
+                "bucket_size_mb applies to stages 1 and 2; stage 3 gathers parameters per unit, so choose its units "
+                "with unit_modules (e.g. unit_modules=['Block'])"
+            )
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an integer >= 0 (units gathered ahead), got {prefetch!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
+    if stage < 3 and (prefetch != 1 or not reshard_after_forward):
+        raise ValueError(
+            f"prefetch and reshard_after_forward apply to stage 3 (stage {stage} never frees parameters); "
+            "remove them or use ZeRO3Strategy"
+        )
