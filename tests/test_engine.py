@@ -447,8 +447,10 @@ def _prefetch_and_reshard_options(rank: int, world_size: int) -> None:
                 assert name in gathered and gathered <= ahead, (where, name, gathered)
             else:  # kept from forward: everything already run, plus what is prefetched
                 assert gathered <= set(names[: position + 1 + prefetch]), (where, name, gathered)
-        # Communication: a gather per unit in forward, and again in backward unless kept after forward.
-        assert gathers == [len(units) * (2 if reshard else 1)] * 3, (where, gathers)
+        # Communication: a gather per unit in forward, and again in backward unless kept after forward; once
+        # the order is known (after the first step), the unit that ends forward stays gathered for backward.
+        per_step = len(units) * (2 if reshard else 1)
+        assert gathers == [per_step, per_step - reshard, per_step - reshard], (where, gathers)
         sharded.release()
 
 

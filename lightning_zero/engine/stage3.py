@@ -102,7 +102,9 @@ class Stage3Hooks:
             training = tensors and torch.is_grad_enabled()
             if training:
                 register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-            keep = training and not self.reshard_after_forward
+            # Kept gathered: every unit without reshard_after_forward; the unit that ends the recorded forward
+            # in any case, since backward starts with it.
+            keep = training and (not self.reshard_after_forward or self.forward_order.at_end(unit))
             if unit not in self.in_backward and unit not in self.held and not keep:
                 unit.reshard()
 
@@ -189,6 +191,11 @@ class _Order:
             return self.recorded[self._position :]
         self._position = None  # this pass left the recorded order: no more prefetching in it
         return []
+
+    def at_end(self, unit: ShardedUnit) -> bool:
+        """Whether ``unit`` is the last unit of the recorded order and this pass has followed it to there."""
+        recorded = self.recorded
+        return recorded is not None and self._position == len(recorded) and recorded[-1] is unit
 
     def finish(self) -> None:
         if self._recording is not None:

@@ -269,12 +269,17 @@ class ShardedUnit:
             else:
                 region.zero_()
         flat_grad[self.layout.numel :].zero_()  # the padding
-        # Divide before summing, as DDP does, so that two ranks give bit-identical results.
-        if self.comm.world_size > 1:
-            flat_grad.div_(self.comm.world_size)
+        # The mean over ranks. Dividing the shard after summing costs 1/N of dividing the full buffer before,
+        # and gives DDP's bits whenever N is a power of two (scaling by 2^-k commutes with rounding). In a
+        # half-precision reduction, dividing first keeps the sum from overflowing, as DDP does.
+        world = self.comm.world_size
+        divide_first = world > 1 and (self.reduce_dtype in _HALF_DTYPES or world & (world - 1) != 0)
+        if divide_first:
+            flat_grad.div_(world)
         out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
         pending = self.comm.reduce_scatter(out, flat_grad, name=self.name, async_op=async_op)
-        return ReducedGrads(self, out, had_grad, pending, flat_grad, give_back)
+        divisor = world if world > 1 and not divide_first else None
+        return ReducedGrads(self, out, had_grad, pending, flat_grad, give_back, divisor)
 
     # ------------------------------------------------------------------ accounting
     def persistent_param_bytes(self) -> int:
@@ -301,8 +306,10 @@ class ReducedGrads:
         pending: Pending | None,
         buffer: torch.Tensor,
         give_back: Callable[[torch.Tensor], None] | None,
+        divisor: int | None = None,
     ) -> None:
         self.unit = unit
+        self._divisor = divisor
         self.had_grad = had_grad
         self._out = out
         self._pending = pending
@@ -325,6 +332,9 @@ class ReducedGrads:
             self._pending.wait()
             self._pending = None
             self._release_buffer()
+        if self._divisor is not None:
+            self._out.div_(self._divisor)
+            self._divisor = None
         unit = self.unit
         if self._out.dtype != unit.master_dtype or unit.master_device != unit.device:
             self._out = self._out.to(device=unit.master_device, dtype=unit.master_dtype)
