@@ -45,8 +45,10 @@ def test_benchmark_runs_and_our_stages_match_ddp(tmp_path: Path) -> None:
         assert len(runs[name]["losses"]) == 2 and all(len(losses) == 3 for losses in runs[name]["losses"])
         assert rows[name]["max_loss_diff_vs_ddp"] <= 1e-5  # fp32: our stages match DDP
         # Bytes sent per step follow the ring model the theory assumes: 2Ψ for stage 1, 3Ψ for stage 3
-        # (each times (N-1)/N and 4 bytes), give or take padding and a few small all-reduces.
-        assert 0.95 <= rows[name]["comm_vs_theory"] <= 1.05
+        # (each times (N-1)/N and 4 bytes), give or take padding and a few small all-reduces. Stage 3 sends
+        # less: the unit that ends forward stays gathered for backward (2 blocks + root here: about 0.8).
+        low = 0.75 if name == "zero3" else 0.95
+        assert low <= rows[name]["comm_vs_theory"] <= 1.05
         assert rows[name]["state_bytes"] > 0 and rows[name]["peak_rss_bytes"] > 0
     assert rows["zero3"]["state_bytes"] < rows["ddp"]["state_bytes"] / 1.5
 
