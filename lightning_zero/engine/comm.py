@@ -239,6 +239,17 @@ class Comm:
                 output.copy_(shard)
             return Pending(self.stats, "all_gather", None) if async_op else None
         self._check("all_gather", name, output.numel(), output.device, guard)
+        if self.via_all_to_all:  # see [Note: gloo all-to-all]; the copies also free ``shard`` to alias ``output``
+            copies = shard.unsqueeze(0).expand(self.world_size, shard.numel()).contiguous()
+            return self._timed(
+                "all_gather",
+                self._ring_bytes(output),
+                dist.all_to_all_single,
+                output,
+                copies,
+                group=self.group,
+                async_op=async_op,
+            )
         return self._timed(
             "all_gather",
             self._ring_bytes(output),

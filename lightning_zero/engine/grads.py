@@ -14,7 +14,7 @@ Each reduce-scatter is issued asynchronously, so that it runs while backward goe
 the gradients of the units below. At most ``max_in_flight`` are in flight: issuing one more
 first waits for the oldest, which bounds the full-size gradient buffers alive at once. The rest
 are waited for when backward ends, before anything reads a sharded gradient. Full-size buffers
-are reused from step to step (a pool of at most ``max_in_flight + 1`` per size).
+are reused from step to step: a pool of at most ``max_in_flight + 1`` buffers in all.
 
 [Note: which gradients exist]
 DDP leaves ``grad`` as ``None`` for a parameter that no rank used. To match it, each rank
@@ -65,7 +65,7 @@ class GradReducer:
         self.max_in_flight = max(1, max_in_flight)
         self.sync_enabled = True
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._pool: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self._pool: deque[tuple[tuple[int, torch.dtype, torch.device], torch.Tensor]] = deque()
         # Per-backward state.
         self._ready: dict[ShardedUnit, set[int]] = {u: set() for u in self.order}
         self._next = 0
@@ -121,9 +121,7 @@ class GradReducer:
 
     def _reduce(self, unit: ShardedUnit) -> None:
         _check_frozen(unit)  # before its gradients are packed with the trainable ones
-        key = (unit.layout.padded_numel, unit.reduce_dtype, unit.device)
-        free = self._pool.get(key)
-        buffer = free.pop() if free else None
+        buffer = self._take_buffer((unit.layout.padded_numel, unit.reduce_dtype, unit.device))
         self._in_flight.append(unit.reduce_grads(async_op=True, buffer=buffer, give_back=self._give_back))
         self._next += 1
         while len(self._in_flight) > self.max_in_flight:
@@ -131,10 +129,19 @@ class GradReducer:
         if self.after_unit_reduced is not None:
             self.after_unit_reduced(unit)
 
+    def _take_buffer(self, key: tuple[int, torch.dtype, torch.device]) -> torch.Tensor | None:
+        for index, (buffer_key, buffer) in enumerate(self._pool):
+            if buffer_key == key:
+                del self._pool[index]
+                return buffer
+        return None
+
     def _give_back(self, buffer: torch.Tensor) -> None:
-        free = self._pool.setdefault((buffer.numel(), buffer.dtype, buffer.device), [])
-        if len(free) <= self.max_in_flight:
-            free.append(buffer)
+        # At most max_in_flight + 1 buffers in all, whatever their sizes: units of many sizes must not add up
+        # to a full set of gradients kept between steps. The oldest goes first.
+        self._pool.append(((buffer.numel(), buffer.dtype, buffer.device), buffer))
+        while len(self._pool) > self.max_in_flight + 1:
+            self._pool.popleft()
 
     def _complete_oldest(self) -> None:
         reduced = self._in_flight.popleft()
