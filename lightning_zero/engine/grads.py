@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 
 from lightning_zero.engine.unit import ReducedGrads, ShardedUnit
@@ -179,11 +180,23 @@ class GradReducer:
     def _attach_pending(self) -> None:
         if not self._pending:
             return
+        device = self.order[0].device
+        # One small all-reduce (MAX: "on any rank", which cannot overflow at any world size) carries which
+        # parameters got a gradient and, per unit, whether its reduced gradients hold an inf or NaN (see
+        # [Note: which gradients exist] and ``ShardedUnit.grads_finite``).
         flags = [torch.tensor(had, dtype=torch.uint8) for _, _, had in self._pending]
-        used = torch.cat(flags).to(self.order[0].device)
-        self.order[0].comm.all_reduce(used)
+        # A sum is inf or NaN if any element is (and, rarely, when finite values overflow: that only sends the
+        # check down its exact path); one cheap pass, no temporary of the gradient's size.
+        sums = torch.stack([shard_grad.sum(dtype=torch.float32).to(device) for _, shard_grad, _ in self._pending])
+        nonfinite = (~torch.isfinite(sums)).to(torch.uint8)
+        combined = torch.cat([torch.cat(flags).to(device), nonfinite])
+        self.order[0].comm.all_reduce(combined, op=dist.ReduceOp.MAX)
+        used, nonfinite_anywhere = combined[: -len(self._pending)], combined[-len(self._pending) :].tolist()
         position = 0
-        for unit, shard_grad, had_grad in self._pending:
+        for (unit, shard_grad, had_grad), bad in zip(self._pending, nonfinite_anywhere):
+            fresh = all(unit.shard_params[i].grad is None for i in unit.trainable_indices)
+            # Known exactly only when these gradients are not added to earlier ones (accumulation).
+            unit.grads_finite = not bad if fresh else None
             for index, piece in enumerate(unit.param_shards):
                 used_somewhere = bool(used[position + index])
                 if not used_somewhere or not unit.params[index].requires_grad:

@@ -245,14 +245,21 @@ class ShardedModel:
     def nonfinite_grads(self, optimizer: Optimizer) -> tuple[list[int], list[str]]:
         """Which ranks hold an ``inf``/``NaN`` in ``optimizer``'s sharded gradients (the same list on every
         rank, one all-reduce), and the names of this rank's offending parameters."""
-        local = []
-        for group in optimizer.param_groups:
-            for shard_param in group["params"]:
-                grad = shard_param.grad
-                if grad is not None and grad.numel() and not bool(torch.isfinite(grad).all()):
-                    param, _ = self._param_of[shard_param]
-                    unit = self._unit_of[shard_param]
-                    local.append(_name_in(unit, param))
+        with_grads = [u for u in self.units_of(optimizer) if any(p.grad is not None for p in u.shard_params)]
+        if all(u.grads_finite is True for u in with_grads):
+            # Known on every rank alike from the reduction's own all-reduce: no collective needed.
+            return [], []
+        shard_params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p.numel()]
+        local: list[str] = []
+        if shard_params:
+            # One fused pass over all gradients (the largest magnitude of each is inf or NaN if any element is);
+            # names are looked up only when something is wrong.
+            peaks = torch._foreach_norm([p.grad for p in shard_params], float("inf"))
+            if not bool(torch.isfinite(torch.stack(peaks)).all()):
+                for shard_param, peak in zip(shard_params, peaks):
+                    if not bool(torch.isfinite(peak)):
+                        param, _ = self._param_of[shard_param]
+                        local.append(_name_in(self._unit_of[shard_param], param))
         flags = torch.zeros(self.comm.world_size, device=self.units[0].device)
         flags[self.comm.rank] = float(bool(local))
         self.comm.all_reduce(flags)

@@ -120,6 +120,9 @@ class ShardedUnit:
             self.shard = self.master
         self._point_params_into(self.flat)
         self._gathering: Pending | None = None  # an all-gather into ``flat`` in flight (prefetch)
+        # Whether the sharded gradients last reduced hold no inf/NaN on any rank: True/False when known for
+        # every rank alike (set by GradReducer), None when unknown (accumulated onto earlier gradients).
+        self.grads_finite: bool | None = None
         self.shard_params = [self._make_shard_param(p, piece) for p, piece in zip(params, self.param_shards)]
         self.state = UnitState.UNSHARDED
         self.reshard()
