@@ -17,11 +17,17 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import Comm
+from lightning_zero.engine.full_state import (
+    ShardLoader,
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+)
 from lightning_zero.engine.grads import GradReducer
 from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, bucket_units, owns_parameters, plan_units
 from lightning_zero.engine.layout import ParamShard
 from lightning_zero.engine.materialize import check_meta_writes, has_meta_tensors, materialize_units
-from lightning_zero.engine.optimizer import bind_optimizer, is_param_shaped, slice_state
+from lightning_zero.engine.optimizer import bind_optimizer
 from lightning_zero.engine.stage3 import Stage3Hooks
 from lightning_zero.engine.unit import ShardedUnit, check_unit_params
 
@@ -114,10 +120,8 @@ class ShardedModel:
                 self._shard_of[param] = (shard_param, piece)
                 self._param_of[shard_param] = (param, piece)
                 self._unit_of[shard_param] = unit
-        self._unit_of_param = {id(p): unit for unit in self.units for p in unit.params}
-        self._load_handles: list[Any] = []
-        self._streamed_keys: dict[int, set[str]] = {}
-        self._install_load_hooks()
+        self.loader = ShardLoader(self.units)
+        self.loader.install(module)
         self._sync_buffers()
 
         self.stage3: Stage3Hooks | None = None
@@ -281,134 +285,24 @@ class ShardedModel:
             torch._foreach_mul_(grads, clip_coef.to(device=grads[0].device, dtype=grads[0].dtype))
         return total
 
-    # ------------------------------------------------------------------ state dicts
-    def _keys_of(self) -> tuple[dict[str, Any], dict[int, list[str]]]:
-        state = self.module.state_dict(keep_vars=True)  # reads no parameter data
-        keys_of: dict[int, list[str]] = {}
-        for key, value in state.items():
-            keys_of.setdefault(id(value), []).append(key)
-        return state, keys_of
-
+    # ------------------------------------------------------------------ state dicts (see full_state.py)
     def full_state_dict(self) -> dict[str, Any]:
         """The module's full (unsharded) state dict, as DDP would return it: parameters in the master dtype
         (fp32 under mixed precision), one unit gathered at a time."""
-        state, keys_of = self._keys_of()
-        for key, value in list(state.items()):
-            if isinstance(value, torch.Tensor):
-                state[key] = value.detach()
-        for unit in self.units:
-            full = unit.full_flat()
-            for param, offset, numel in zip(unit.params, unit.layout.offsets, unit.layout.numels):
-                copy = full[offset : offset + numel].view(param.shape).clone()
-                for key in keys_of.get(id(param), []):
-                    state[key] = copy
-        return state
+        return full_state_dict(self.module, self.units)
 
     def load_full_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Load a full state dict (any world size, any stage; e.g. pretrained weights) into the shards,
-        one unit at a time; ``module.load_state_dict`` does the same (see ``_stream_into_shards``)."""
+        one unit at a time; ``module.load_state_dict`` does the same (see ``ShardLoader``)."""
         self.module.load_state_dict(state_dict, strict=strict)
-
-    def _install_load_hooks(self) -> None:
-        for module in self.module.modules():
-            self._load_handles.append(module.register_load_state_dict_pre_hook(self._stream_into_shards))
-            self._load_handles.append(module.register_load_state_dict_post_hook(self._forget_streamed_keys))
-
-    def _stream_into_shards(
-        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *_args: Any, **_kwargs: Any
-    ) -> None:
-        """Pre-hook of ``load_state_dict`` on every module: the module the user called it on (``prefix`` is
-        empty) takes the entries of sharded parameters out of ``state_dict`` and writes them into the shards,
-        one unit at a time, so that memory never holds more than one full unit besides ``state_dict`` (and
-        stage-3 parameters, whose storage is freed, are never written directly). A collective: every rank
-        loads the same keys."""
-        if prefix:
-            return
-        own = module.state_dict(keep_vars=True)  # reads no parameter data
-        found: dict[ShardedUnit, dict[int, torch.Tensor]] = {}
-        handled = []
-        for key, value in own.items():
-            unit = self._unit_of_param.get(id(value))
-            if unit is None or key not in state_dict:
-                continue
-            source = state_dict.pop(key)
-            handled.append(key)
-            if tuple(source.shape) != tuple(value.shape):
-                raise RuntimeError(
-                    f"size mismatch for {key}: the state dict holds shape {tuple(source.shape)}, the model's "
-                    f"parameter has shape {tuple(value.shape)}"
-                )
-            found.setdefault(unit, {})[next(i for i, p in enumerate(unit.params) if p is value)] = source
-        for unit in self.units:  # in unit order: the same collectives on every rank
-            sources = found.get(unit)
-            if not sources:
-                continue
-            if len(sources) < len(unit.params):
-                full = unit.full_flat()
-            else:
-                full = torch.zeros(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
-            for index, source in sources.items():
-                offset, numel = unit.layout.offsets[index], unit.layout.numels[index]
-                full[offset : offset + numel].copy_(source.detach().reshape(-1))
-            unit.load_full_flat(full)
-            del full
-        self._streamed_keys[id(module)] = set(handled)
-
-    def _forget_streamed_keys(self, module: nn.Module, incompatible: Any) -> None:
-        """Post-hook: the entries ``_stream_into_shards`` loaded are not missing."""
-        handled = self._streamed_keys.pop(id(module), None)
-        if handled:
-            incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in handled]
 
     def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` as if it had stepped full parameters (what DDP would save)."""
-        state_dict = optimizer.state_dict()
-        # state_dict() shares the per-parameter dicts with optimizer.state: copy before replacing entries.
-        state_dict["state"] = {idx: dict(entry) for idx, entry in state_dict["state"].items()}
-        index_of = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-        for unit in self.units_of(optimizer):
-            entries = [(index_of[sp], i) for i, sp in enumerate(unit.shard_params) if sp in index_of]
-            keys = sorted(
-                {
-                    key
-                    for idx, i in entries
-                    for key, value in state_dict["state"].get(idx, {}).items()
-                    if is_param_shaped(key, value, unit.shard_params[i])
-                }
-            )
-            for key in keys:
-                full = self._gather_state(unit, entries, state_dict["state"], key)
-                for idx, i in entries:
-                    if key in state_dict["state"].get(idx, {}):
-                        offset, numel = unit.layout.offsets[i], unit.layout.numels[i]
-                        state_dict["state"][idx][key] = full[offset : offset + numel].view(unit.params[i].shape).clone()
-        return state_dict
-
-    def _gather_state(self, unit: ShardedUnit, entries: list[tuple[int, int]], state: dict, key: str) -> torch.Tensor:
-        sample = next(state[idx][key] for idx, _ in entries if key in state.get(idx, {}))
-        shard = torch.zeros(unit.layout.shard_numel, dtype=sample.dtype, device=unit.device)
-        for idx, i in entries:
-            value = state.get(idx, {}).get(key)
-            if value is not None:
-                piece = unit.param_shards[i]
-                shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(value)
-        full = torch.empty(unit.layout.padded_numel, dtype=sample.dtype, device=unit.device)
-        self.comm.all_gather(full, shard, name=f"{unit.name} optimizer state {key!r}")
-        return full
+        return full_optimizer_state_dict(optimizer, self.units_of(optimizer), self.comm)
 
     def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         """Load a full (DDP-shaped) optimizer state dict into ``optimizer``'s shards."""
-        shard_params = [p for g in optimizer.param_groups for p in g["params"]]
-        sliced = {"param_groups": state_dict["param_groups"], "state": {}}
-        for idx, entry in state_dict["state"].items():
-            if not 0 <= int(idx) < len(shard_params):
-                raise ValueError(
-                    f"optimizer state has an entry for parameter {idx}, but the optimizer has "
-                    f"{len(shard_params)} parameters: the checkpoint is from another model"
-                )
-            param, piece = self._param_of[shard_params[int(idx)]]
-            sliced["state"][idx] = {k: slice_state(k, v, param, piece) for k, v in entry.items()}
-        optimizer.load_state_dict(sliced)
+        load_full_optimizer_state_dict(optimizer, state_dict, self._param_of)
 
     # ------------------------------------------------------------------ lifecycle and accounting
     def release(self, gather: bool = True) -> None:
@@ -418,9 +312,7 @@ class ShardedModel:
         when collectives could hang) uses no collective: stage-3 parameters, which only exist as
         shards, become NaN, and optimizers keep stepping shards."""
         self.reducer.remove()
-        for handle in self._load_handles:
-            handle.remove()
-        self._load_handles.clear()
+        self.loader.remove()
         if self.stage3 is not None:
             self.stage3.remove()
         if not gather:
