@@ -239,25 +239,12 @@ class Comm:
                 output.copy_(shard)
             return Pending(self.stats, "all_gather", None) if async_op else None
         self._check("all_gather", name, output.numel(), output.device, guard)
+        gather, source = _all_gather_single, shard
         if self.via_all_to_all:  # see [Note: gloo all-to-all]; the copies also free ``shard`` to alias ``output``
-            copies = shard.unsqueeze(0).expand(self.world_size, shard.numel()).contiguous()
-            return self._timed(
-                "all_gather",
-                self._ring_bytes(output),
-                dist.all_to_all_single,
-                output,
-                copies,
-                group=self.group,
-                async_op=async_op,
-            )
+            gather = dist.all_to_all_single
+            source = shard.unsqueeze(0).expand(self.world_size, shard.numel()).contiguous()
         return self._timed(
-            "all_gather",
-            self._ring_bytes(output),
-            _all_gather_single,
-            output,
-            shard,
-            group=self.group,
-            async_op=async_op,
+            "all_gather", self._ring_bytes(output), gather, output, source, group=self.group, async_op=async_op
         )
 
     def reduce_scatter(
@@ -269,34 +256,24 @@ class Comm:
             shard.copy_(full)
             return Pending(self.stats, "reduce_scatter", None) if async_op else None
         self._check("reduce_scatter", name, full.numel(), full.device, guard=False)
-        if self.via_all_to_all:
-            chunks = torch.empty_like(full)
-
-            def add_up() -> None:
-                torch.sum(chunks.view(self.world_size, -1), dim=0, out=shard)
-
-            pending = self._timed(
-                "reduce_scatter",
-                self._ring_bytes(full),
-                dist.all_to_all_single,
-                chunks,
-                full,
-                group=self.group,
-                async_op=async_op,
+        bytes_sent = self._ring_bytes(full)
+        if not self.via_all_to_all:
+            return self._timed(
+                "reduce_scatter", bytes_sent, _reduce_scatter_single, shard, full, group=self.group, async_op=async_op
             )
-            if pending is None:
-                add_up()
-                return None
-            return pending.then(add_up)
-        return self._timed(
-            "reduce_scatter",
-            self._ring_bytes(full),
-            _reduce_scatter_single,
-            shard,
-            full,
-            group=self.group,
-            async_op=async_op,
+        # See [Note: gloo all-to-all]: every rank's chunk for us arrives in ``chunks``; summed in rank order.
+        chunks = torch.empty_like(full)
+
+        def add_up() -> None:
+            torch.sum(chunks.view(self.world_size, -1), dim=0, out=shard)
+
+        pending = self._timed(
+            "reduce_scatter", bytes_sent, dist.all_to_all_single, chunks, full, group=self.group, async_op=async_op
         )
+        if pending is None:
+            add_up()
+            return None
+        return pending.then(add_up)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
         if self.world_size == 1:

@@ -113,7 +113,7 @@ def check_materializable(module: nn.Module) -> None:
     missing = [
         name or type(module).__name__
         for name, mod in module.named_modules()
-        if _meta_names(mod)[0] + _meta_names(mod)[1] and not callable(getattr(mod, "reset_parameters", None))
+        if any(_meta_names(mod)) and not callable(getattr(mod, "reset_parameters", None))
     ]
     if missing:
         raise ValueError(

@@ -312,6 +312,7 @@ class ShardedModel:
         when collectives could hang) uses no collective: stage-3 parameters, which only exist as
         shards, become NaN, and optimizers keep stepping shards."""
         self.reducer.remove()
+        self.reducer.drop_buffers()  # the reusable gradient buffers are not needed once the module is plain
         self.loader.remove()
         if self.stage3 is not None:
             self.stage3.remove()

@@ -339,7 +339,7 @@ class ZeROStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
-        if trainer.state.fn == TrainerFn.FITTING and self.is_global_zero:
+        if trainer.state.fn == TrainerFn.FITTING and self.is_global_zero and log.isEnabledFor(logging.INFO):
             log.info("lightning_zero: model-state memory per rank\n%s", self.memory_report())
 
     @override
