@@ -279,3 +279,18 @@ def _accounting(rank: int, world_size: int) -> None:
 
 def test_step_communication_and_memory_through_trainer() -> None:
     spawn(_accounting, world_size=2)
+
+
+def test_overlap_options_are_checked_at_construction() -> None:
+    with pytest.raises(ValueError, match="bucket_size_mb applies to stages 1 and 2"):
+        ZeRO3Strategy(bucket_size_mb=10)
+    with pytest.raises(ValueError, match=r"bucket_size_mb must be a number of megabytes >= 0"):
+        ZeRO1Strategy(bucket_size_mb=-1)
+    with pytest.raises(ValueError, match="prefetch must be an integer >= 0"):
+        ZeRO3Strategy(prefetch=-1)
+    with pytest.raises(TypeError, match="reshard_after_forward must be True or False"):
+        ZeRO3Strategy(reshard_after_forward="no")
+    for options in ({"prefetch": 2}, {"reshard_after_forward": False}):
+        with pytest.raises(ValueError, match="apply to stage 3"):
+            ZeRO2Strategy(**options)
+    assert ZeRO1Strategy().bucket_size_mb == 25.0 and ZeRO1Strategy(unit_modules=["Linear"]).bucket_size_mb is None
