@@ -17,7 +17,9 @@ from lightning_zero.engine import (
     module_class_policy,
     owns_parameters,
 )
+from lightning_zero.engine.grads import ShardedGradientError
 from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
+from lightning_zero.engine.unit import ShardedParameterWriteError
 from tests.distributed import spawn
 
 
@@ -93,6 +95,70 @@ def test_engine_matches_ddp_bitwise_on_two_ranks() -> None:
     spawn(_parity, world_size=2)
 
 
+def _zero_grad_semantics(rank: int, world_size: int) -> None:
+    """The user's optimizer holds the module's parameters, so ``zero_grad`` only sees markers (grads.py): every
+    order of backward, ``zero_grad`` (both kinds) and ``step`` must still mean what it means under DDP."""
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        reference = TiedNet()
+        model = copy.deepcopy(reference)
+        ddp = DistributedDataParallel(reference)
+        ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        sharded = ShardedModel(model, stage=stage, comm=Comm())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sharded.bind_optimizer(opt)
+        data = torch.Generator().manual_seed(rank)
+        # Accumulate over two backward passes; zero with set_to_none=False; no zero_grad after a step (DDP adds
+        # onto the old gradients); a backward whose gradients are thrown away; a step with no gradient at all.
+        script = ["zero", "bwd", "bwd", "step", "zero_keep", "bwd", "step", "bwd", "step"]
+        script += ["zero", "bwd", "zero", "bwd", "step", "zero", "step"]
+        for action in script:
+            if action == "bwd":
+                x, y = torch.randint(0, 11, (4, 5), generator=data), torch.randint(0, 11, (4, 5), generator=data)
+                nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten()).backward()
+                with sharded.step_context():
+                    nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            elif action.startswith("zero"):
+                ref_opt.zero_grad(set_to_none=action == "zero")
+                opt.zero_grad(set_to_none=action == "zero")
+            else:
+                ref_opt.step()
+                opt.step()
+                sharded.after_optimizer_step(opt)
+        state = model.state_dict()  # gathers under stage 3: DDP's values, on every rank
+        for key, value in reference.state_dict().items():
+            # Not bitwise: DDP all-reduces the accumulated local gradient, ZeRO adds the new average to the old one
+            # (a rounding apart); a wrong zero_grad meaning would be off by a whole gradient.
+            torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6, msg=f"{stage} {key}")
+        # The module's .grad is a marker: reading it says what to call instead.
+        with sharded.step_context():
+            model(torch.randint(0, 11, (4, 5), generator=data)).mean().backward()
+        assert all(sharded.reducer.is_marker(p) for p in model.parameters()), stage
+        with pytest.raises(ShardedGradientError, match=r"strategy\.grad_norm"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        # Writes through gathered_parameters reach the shards on every rank.
+        with sharded.gathered_parameters(model.up), torch.no_grad():
+            model.up.weight.mul_(0.5)
+        with torch.no_grad():
+            reference.up.weight.mul_(0.5)
+        torch.testing.assert_close(model.state_dict()["up.weight"], reference.up.weight, rtol=1e-6, atol=1e-6)
+        if stage == 3:  # outside a forward: a placeholder that reads NaN and refuses writes
+            assert model.up.weight.isnan().all()
+            with pytest.raises(RuntimeError, match="single memory location"), torch.no_grad():
+                model.up.weight.mul_(2.0)
+            model.up.weight.detach().zero_()  # a fill is not refused by PyTorch, but it is seen before it is lost:
+            with pytest.raises(ShardedParameterWriteError, match=r"'up\.weight' \(unit 'up'\) was written"):
+                model.up(torch.randn(2, 8))
+            sharded.units[[u.name for u in sharded.units].index("up")].record_hidden_versions()
+        sharded.release()
+        for mine, theirs in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_zero_grad_step_and_weight_access_keep_ddp_semantics() -> None:
+    spawn(_zero_grad_semantics, world_size=2)
+
+
 def _comm_and_memory(rank: int, world_size: int) -> None:
     for stage in (1, 2, 3):
         _check_comm_and_memory(stage, world_size)
@@ -148,11 +214,12 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     assert mem["params"] == (padded if stage < 3 else shard_numel) * 4
     assert mem["gathered_params"] == 0
     assert mem["grads"] == shard_numel * 4
-    assert mem["optimizer_states"] == 2 * 4 * sum(p.numel() for p in opt.param_groups[0]["params"])
+    assert mem["optimizer_states"] == 2 * 4 * sum(p.numel() for p in sharded.shard_params_of(opt))
     expected = theory_bytes(stage, numel, world_size)
     assert expected.params <= mem["params"] <= expected.params + 4 * world_size * len(units)
     assert expected.optimizer_states <= mem["optimizer_states"] + 8 * world_size * len(units)
-    assert all(p.grad is None for p in model.parameters())  # full gradients are never kept
+    # Full gradients are never kept: a parameter's .grad is at most its marker (no memory; see grads.py).
+    assert not any(_has_full_grad(sharded, p) for p in model.parameters())
     if stage == 3:
         assert all(u.flat.untyped_storage().nbytes() == 0 for u in units)
         # Just in time: while a unit runs forward, it is the only one gathered.
@@ -163,12 +230,16 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     # Under no_sync (gradient accumulation) stage 1 keeps full gradients; stages 2 and 3 still reduce.
     with sharded.no_sync(), sharded.step_context():
         model(x).square().mean().backward()
-    kept = [p.grad is not None for p in model.parameters()]
+    kept = [_has_full_grad(sharded, p) for p in model.parameters()]
     assert all(kept) if stage == 1 else not any(kept), stage
     opt.zero_grad()
     for p in model.parameters():
         p.grad = None
     sharded.release()
+
+
+def _has_full_grad(sharded: ShardedModel, param: nn.Parameter) -> bool:
+    return param.grad is not None and not sharded.reducer.is_marker(param)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -304,9 +375,11 @@ def test_frozen_parameters_get_no_gradient_and_no_optimizer_state() -> None:
     sharded.bind_optimizer(opt)
     model(torch.randn(2, 16)).sum().backward()
     opt.step()
-    frozen = sharded.units[0].shard_params
-    assert all(p.grad is None and p not in opt.state for p in frozen)
-    assert all(p.grad is not None and p in opt.state for u in sharded.units[1:] for p in u.shard_params)
+    frozen = sharded.units[0]
+    assert all(p.grad is None for p in frozen.shard_params + frozen.params)
+    assert all(p not in opt.state for p in frozen.params)
+    assert all(p.grad is not None for u in sharded.units[1:] for p in u.shard_params)
+    assert all(p in opt.state for u in sharded.units[1:] for p in u.params)
 
 
 class _Block(nn.Module):

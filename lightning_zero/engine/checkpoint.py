@@ -84,8 +84,9 @@ def sharded_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: in
     """This rank's part of ``optimizer``'s state, ready for ``dcp.save``."""
     names = param_names(model)
     state: dict[str, Any] = {}
-    for shard_param, entry in optimizer.state.items():
-        param, piece = model._param_of[shard_param]
+    for held, entry in optimizer.state.items():  # keyed by the module's parameters
+        param, piece = model._param_of[held]
+        shard_param = model._shard_of[param][0]
         for key, value in entry.items():
             if is_param_shaped(key, value, shard_param):
                 if piece.numel:
@@ -276,8 +277,9 @@ def _optimizer_target(
     prefix = f"optim/{index}/"
     wanted: dict[str, tuple[Any, tuple[nn.Parameter, str]]] = {}
     for group in optimizer.param_groups:
-        for shard_param in group["params"]:
-            param, piece = model._param_of[shard_param]
+        for held in group["params"]:
+            param, piece = model._param_of[held]
+            shard_param = model._shard_of[param][0]
             name = names[param]
             head = f"{prefix}{name}/"
             for key, meta in saved.items():
@@ -288,9 +290,9 @@ def _optimizer_target(
                 if list(meta.size) == [param.numel()] and (param.dim() > 0 or state_key != "step"):
                     local = torch.zeros(piece.numel, dtype=dtype, device=shard_param.device)
                     value: Any = _piece(local, piece.param_offset, param.numel(), mesh) if piece.numel else local
-                    wanted[key] = (value, (shard_param, state_key)) if piece.numel else (None, (shard_param, state_key))
+                    wanted[key] = (value, (held, state_key)) if piece.numel else (None, (held, state_key))
                 else:
-                    wanted[key] = (torch.zeros(meta.size, dtype=dtype), (shard_param, state_key))
+                    wanted[key] = (torch.zeros(meta.size, dtype=dtype), (held, state_key))
     return {k: v for k, v in wanted.items()}
 
 
@@ -302,12 +304,13 @@ def _install_optimizer_state(
     index_of = {names[model._param_of[p][0]]: i for i, p in enumerate(params)}
     position = {id(p): i for i, p in enumerate(params)}
     state: dict[int, dict[str, Any]] = {}
-    for value, (shard_param, key) in wanted.values():
+    for value, (held, key) in wanted.values():
         if value is None:  # an empty piece on this rank
+            shard_param = model._shard_of[model._param_of[held][0]][0]
             value = torch.zeros(0, dtype=shard_param.dtype, device=shard_param.device)
         elif isinstance(value, DTensor):
             value = value.to_local().local_shards()[0]
-        state.setdefault(position[id(shard_param)], {})[key] = value
+        state.setdefault(position[id(held)], {})[key] = value
     groups = []
     if len(meta["param_groups"]) != len(optimizer.param_groups):
         raise CheckpointMismatchError(
@@ -318,7 +321,8 @@ def _install_optimizer_state(
         if sorted(saved_group["params"]) != sorted(names[model._param_of[p][0]] for p in group["params"]):
             raise CheckpointMismatchError("a param group of the checkpoint holds other parameters than the optimizer's")
         groups.append({**saved_group, "params": [index_of[n] for n in saved_group["params"]]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    with model.on_shards(optimizer):  # load_state_dict casts states to each parameter's dtype and device
+        optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def consolidate_state(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:

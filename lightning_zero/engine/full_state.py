@@ -2,6 +2,8 @@
 written into the shards one unit at a time when loading, so that no rank ever holds the whole model.
 
 - ``full_state_dict``: the module's state dict with every parameter gathered, in the master dtype.
+- ``StateDictGatherer``: ``state_dict`` hooks that make ``module.state_dict()``, called by user code or a
+  callback on any module of a sharded model, return the same values DDP's would.
 - ``ShardLoader``: ``load_state_dict`` hooks that stream a full state dict into the shards (pretrained
   weights, full checkpoints), whichever module it is called on.
 - ``full_optimizer_state_dict`` / ``load_full_optimizer_state_dict``: the optimizer's per-parameter
@@ -10,6 +12,9 @@ written into the shards one unit at a time when loading, so that no rank ever ho
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -44,6 +49,66 @@ def full_state_dict(module: nn.Module, units: list[ShardedUnit]) -> dict[str, An
             for key in keys_of.get(id(param), []):
                 state[key] = copy
     return state
+
+
+class StateDictGatherer:
+    """``state_dict`` pre- and post-hooks on every module of a sharded model: an entry for a parameter that does
+    not show its master values (a stage-3 placeholder, a half-precision compute copy; see [Note: parameters
+    outside their unit's use] in ``unit.py``) is replaced by the gathered value, one unit at a time, each unit
+    gathered at most once per ``state_dict()`` call. ``keep_vars=True`` returns the parameters themselves,
+    untouched. A collective whenever such a unit is involved: call ``state_dict()`` on every rank, as with
+    FSDP's full state dicts.
+
+    Example::
+
+        gatherer = StateDictGatherer(units)
+        gatherer.install(model)
+        model.state_dict()["layer.weight"]     # DDP's values, on every rank
+    """
+
+    def __init__(self, units: list[ShardedUnit]) -> None:
+        self._where = {
+            id(p): (unit, i) for unit in units if unit.needs_gather_to_read for i, p in enumerate(unit.params)
+        }
+        self._handles: list[Any] = []
+        self._depth = 0
+        self._gathered: dict[ShardedUnit, list[torch.Tensor]] = {}
+
+    def install(self, root: nn.Module) -> None:
+        if not self._where:
+            return
+        for module in root.modules():
+            self._handles.append(module.register_state_dict_pre_hook(self._enter))
+            # A partial, not the bound method: torch marks public post-hooks with an attribute.
+            self._handles.append(module.register_state_dict_post_hook(functools.partial(StateDictGatherer._fill, self)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._gathered.clear()
+
+    def _enter(self, _module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
+        if self._depth == 0:
+            self._gathered.clear()  # a previous call that raised half-way must not leave stale values
+        self._depth += 1
+
+    def _fill(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, _local_metadata: Any) -> None:
+        try:
+            for name, param in module._parameters.items():
+                where = self._where.get(id(param)) if param is not None else None
+                key = prefix + name
+                if where is None or key not in state_dict or isinstance(state_dict[key], nn.Parameter):
+                    continue
+                unit, index = where
+                views = self._gathered.get(unit)
+                if views is None:
+                    views = self._gathered[unit] = unit.full_views(unit.full_flat())
+                state_dict[key] = views[index]
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._gathered.clear()
 
 
 class ShardLoader:
@@ -127,7 +192,7 @@ def full_optimizer_state_dict(optimizer: Optimizer, units: list[ShardedUnit], co
     state_dict["state"] = {idx: dict(entry) for idx, entry in state_dict["state"].items()}
     index_of = {p: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     for unit in units:
-        entries = [(index_of[sp], i) for i, sp in enumerate(unit.shard_params) if sp in index_of]
+        entries = [(index_of[p], i) for i, p in enumerate(unit.params) if p in index_of]
         keys = sorted(
             {
                 key
@@ -159,17 +224,22 @@ def _gather_state(unit: ShardedUnit, entries: list[tuple[int, int]], state: dict
 
 
 def load_full_optimizer_state_dict(
-    optimizer: Optimizer, state_dict: dict[str, Any], param_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]]
+    optimizer: Optimizer,
+    state_dict: dict[str, Any],
+    param_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]],
+    on_shards: Callable[[], AbstractContextManager[None]],
 ) -> None:
-    """Load a full (DDP-shaped) optimizer state dict into ``optimizer``'s shards."""
-    shard_params = [p for g in optimizer.param_groups for p in g["params"]]
+    """Load a full (DDP-shaped) optimizer state dict into ``optimizer``'s shards. ``on_shards()`` is entered around
+    ``optimizer.load_state_dict``, which casts each state to its parameter's dtype and device: the master's."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
     sliced = {"param_groups": state_dict["param_groups"], "state": {}}
     for idx, entry in state_dict["state"].items():
-        if not 0 <= int(idx) < len(shard_params):
+        if not 0 <= int(idx) < len(params):
             raise ValueError(
                 f"optimizer state has an entry for parameter {idx}, but the optimizer has "
-                f"{len(shard_params)} parameters: the checkpoint is from another model"
+                f"{len(params)} parameters: the checkpoint is from another model"
             )
-        param, piece = param_of[shard_params[int(idx)]]
+        param, piece = param_of[params[int(idx)]]
         sliced["state"][idx] = {k: slice_state(k, v, param, piece) for k, v in entry.items()}
-    optimizer.load_state_dict(sliced)
+    with on_shards():
+        optimizer.load_state_dict(sliced)

@@ -1,9 +1,12 @@
 """The user's own optimizer, stepping this rank's shards.
 
-``bind_optimizer`` swaps each parameter in the optimizer's ``param_groups`` for its
-``shard_param`` (see [Note: unit memory] in ``unit.py``) and slices any state the optimizer
-already holds. Everything else stays as the user made it: the class, the param groups and their
-hyper-parameters (so LR schedulers work), and a per-parameter ``state_dict()``.
+The optimizer keeps the module's own parameters in its ``param_groups`` and its ``state`` (so
+Lightning's fine-tuning callbacks, ``toggle_optimizer`` and anything that maps optimizer
+parameters to names keep working); during each step the parameters *are* their master pieces
+(``ShardedModel.on_shards``, see [Note: parameters outside their unit's use] in ``unit.py``), so
+the per-parameter state it creates is this rank's slice. ``bind_optimizer`` slices any state the
+optimizer already holds. Everything else stays as the user made it: the class, the param groups
+and their hyper-parameters (so LR schedulers work), and a per-parameter ``state_dict()``.
 
 This is exact only for optimizers whose update of an element depends on that element alone
 (SGD, Adam, AdamW, RMSprop, Adagrad, ...). ``check_elementwise`` refuses the ones known not to
@@ -83,15 +86,25 @@ def _probe_elementwise(optimizer: Optimizer) -> None:
 
 
 def bind_optimizer(optimizer: Optimizer, shards: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]]) -> None:
-    """Make ``optimizer`` step shard parameters instead of the module's parameters (in place).
+    """Check that ``optimizer`` can step shards and holds only the module's parameters, and slice the state
+    it already holds to this rank's pieces (in place; the param groups are left as they are).
 
     ``shards`` maps each module parameter to its shard parameter and the ``ParamShard`` saying
     which slice of the flattened parameter it holds.
     """
     check_elementwise(optimizer)
+    check_optimizer_params(optimizer, shards)
+    old_state = optimizer.state
+    optimizer.state = defaultdict(dict)
+    for param, state in old_state.items():
+        optimizer.state[param] = {k: slice_state(k, v, param, shards[param][1]) for k, v in state.items()}
+
+
+def check_optimizer_params(optimizer: Optimizer, shards: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]]) -> None:
+    """Raise ``ValueError`` if a param group holds a tensor that is not a parameter of the sharded module, or
+    one parameter twice."""
     seen: set[int] = set()
     for group in optimizer.param_groups:
-        new_params = []
         for param in group["params"]:
             if param not in shards:
                 raise ValueError(
@@ -103,13 +116,6 @@ def bind_optimizer(optimizer: Optimizer, shards: dict[nn.Parameter, tuple[nn.Par
                     f"a parameter of shape {tuple(param.shape)} appears twice in {type(optimizer).__name__}"
                 )
             seen.add(id(param))
-            new_params.append(shards[param][0])
-        group["params"] = new_params
-    old_state = optimizer.state
-    optimizer.state = defaultdict(dict)
-    for param, state in old_state.items():
-        shard_param, piece = shards[param]
-        optimizer.state[shard_param] = {k: slice_state(k, v, param, piece) for k, v in state.items()}
 
 
 def is_param_shaped(key: str, value: object, param: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine.comm import Comm
 from lightning_zero.engine.full_state import (
     ShardLoader,
+    StateDictGatherer,
     full_optimizer_state_dict,
     full_state_dict,
     load_full_optimizer_state_dict,
@@ -27,7 +28,7 @@ from lightning_zero.engine.grads import GradReducer
 from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, bucket_units, owns_parameters, plan_units
 from lightning_zero.engine.layout import ParamShard
 from lightning_zero.engine.materialize import check_meta_writes, has_meta_tensors, materialize_units
-from lightning_zero.engine.optimizer import bind_optimizer
+from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params
 from lightning_zero.engine.stage3 import Stage3Hooks
 from lightning_zero.engine.unit import ShardedUnit, check_unit_params
 
@@ -45,9 +46,11 @@ class ShardedModel:
         sharded.bind_optimizer(optimizer)                 # now steps this rank's shards
         with sharded.step_context():
             model(x).sum().backward()                     # gathers, reduce-scatters, frees
-        optimizer.step()
+        optimizer.step()                                  # on this rank's master pieces
         sharded.after_optimizer_step(optimizer)
         optimizer.zero_grad()
+        with sharded.gathered_parameters():               # full values, e.g. for an EMA copy
+            ema.update_parameters(model)
     """
 
     def __init__(
@@ -118,10 +121,19 @@ class ShardedModel:
         for unit in self.units:
             for param, shard_param, piece in zip(unit.params, unit.shard_params, unit.param_shards):
                 self._shard_of[param] = (shard_param, piece)
-                self._param_of[shard_param] = (param, piece)
-                self._unit_of[shard_param] = unit
+                # Keyed by both: optimizers hold the module's parameters, the engine's own code shard ones.
+                self._param_of[shard_param] = self._param_of[param] = (param, piece)
+                self._unit_of[shard_param] = self._unit_of[param] = unit
+        # [Note: buffer broadcast] DDP copies rank 0's buffers (BatchNorm statistics) to every rank before a forward
+        # through its wrapper, but only when the previous such forward ran with gradients and synchronised them:
+        # not after a no_sync micro-batch of gradient accumulation, nor after an evaluation forward, and so on the
+        # first validation step after training. Lightning routes training, validation, test and predict steps
+        # through the wrapper; ``begin_step`` follows the same rule, so every rank ends with DDP's buffers.
+        self._forward_syncs_buffers = True
         self.loader = ShardLoader(self.units)
         self.loader.install(module)
+        self.state_dict_gatherer = StateDictGatherer(self.units)
+        self.state_dict_gatherer.install(module)
         self._sync_buffers()
 
         self.stage3: Stage3Hooks | None = None
@@ -136,6 +148,11 @@ class ShardedModel:
         self.reducer.install()
         self.optimizers: list[Optimizer] = []
         self._units_of_cache: dict[int, tuple[tuple[int, ...], list[ShardedUnit]]] = {}
+        self._step_hooks: dict[int, list[Any]] = {}
+        # While an optimizer steps: each parameter with what its .data was (see ``on_shards``).
+        self._on_shards: list[tuple[nn.Parameter, nn.Parameter, torch.Tensor]] | None = None
+        self._on_shards_units: list[ShardedUnit] = []
+        self._entered_by_step_hook = False
 
     # ------------------------------------------------------------------ steps
     @contextmanager
@@ -148,11 +165,13 @@ class ShardedModel:
         finally:
             self.end_step()
 
-    def begin_step(self, sync_buffers: bool = True, training: bool = True) -> None:
-        """Start a step: rank 0's buffers everywhere (training), the root unit held and the first units
-        prefetched (stage 3; see [Note: prefetch] in ``stage3.py``)."""
-        if sync_buffers:
+    def begin_step(self, training: bool = True) -> None:
+        """Start a step (a forward, and its backward when training): rank 0's buffers on DDP's schedule (see
+        [Note: buffer broadcast]), the root unit held and the first units prefetched (stage 3; see
+        [Note: prefetch] in ``stage3.py``)."""
+        if self._forward_syncs_buffers:
             self._sync_buffers()
+        self._forward_syncs_buffers = torch.is_grad_enabled() and not self.reducer.no_sync_requested
         if self.stage3 is not None:
             if self.root_unit is not None:
                 self.stage3.hold(self.root_unit)
@@ -193,9 +212,79 @@ class ShardedModel:
 
     # ------------------------------------------------------------------ optimizers
     def bind_optimizer(self, optimizer: Optimizer) -> None:
-        """Let ``optimizer`` (built over the module's parameters) step this rank's shards instead."""
+        """Let ``optimizer`` (built over the module's parameters) step this rank's shards: its state is sliced,
+        and each ``optimizer.step()`` runs on the master pieces (``on_shards``)."""
         bind_optimizer(optimizer, self._shard_of)
         self.optimizers.append(optimizer)
+        self._step_hooks[id(optimizer)] = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+
+    def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._on_shards is not None:
+            return  # already entered by ``on_shards``
+        if any(callable(a) for a in args) or kwargs.get("closure") is not None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(closure) on a ZeRO-sharded model: the closure would run while the "
+                "parameters are this rank's master pieces. Call the closure first, then optimizer.step() without "
+                "one (Lightning's strategies do this for you)."
+            )
+        self._enter_shards(optimizer)
+        self._entered_by_step_hook = True
+
+    def _after_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._entered_by_step_hook:
+            self._entered_by_step_hook = False
+            self._exit_shards()
+
+    @contextmanager
+    def on_shards(self, optimizer: Optimizer) -> Iterator[None]:
+        """While inside: every parameter of ``optimizer``'s units is its 1-D master piece, with the sharded
+        gradient as its ``.grad`` (see [Note: parameters outside their unit's use] in ``unit.py``), so the
+        user's optimizer, a gradient scaler or a clipping function work on shards. ``optimizer.step()`` enters
+        it by itself; re-entrant."""
+        if self._on_shards is not None:
+            yield
+            return
+        self._enter_shards(optimizer)
+        try:
+            yield
+        finally:
+            self._exit_shards()
+
+    def _enter_shards(self, optimizer: Optimizer) -> None:
+        check_optimizer_params(optimizer, self._shard_of)  # e.g. add_param_group with a foreign tensor
+        reducer = self.reducer
+        saved = []
+        self._on_shards_units = self.units_of(optimizer)
+        for unit in self._on_shards_units:
+            unit.check_no_hidden_writes()
+            for param, shard_param in zip(unit.params, unit.shard_params):
+                if shard_param.grad is not None and not reducer.has_marker(param):
+                    shard_param.grad = None  # the user zeroed it (see [Note: gradient markers] in grads.py)
+                reducer.clear_marker(param)
+                saved.append((param, shard_param, param.data))
+                param.data = shard_param.data
+                param.grad = shard_param.grad
+        self._on_shards = saved
+
+    def _exit_shards(self) -> None:
+        assert self._on_shards is not None
+        for param, shard_param, data in self._on_shards:
+            shard_param.grad = param.grad
+            param.grad = None
+            param.data = data
+            if shard_param.grad is not None:
+                self.reducer.put_marker(param)
+        for unit in self._on_shards_units:
+            unit.record_hidden_versions()  # the optimizer's in-place updates count as writes
+        self._on_shards = None
+        self._on_shards_units = []
+
+    def shard_params_of(self, optimizer: Optimizer) -> list[nn.Parameter]:
+        """The shard parameters (holders of master pieces and sharded gradients) of ``optimizer``'s parameters."""
+        return [self._shard_of[p][0] if p in self._shard_of else p for g in optimizer.param_groups for p in g["params"]]
 
     def after_optimizer_step(self, optimizer: Optimizer) -> None:
         """Spread the updated shards of ``optimizer``'s units to every rank (one all-gather per unit, all
@@ -217,21 +306,13 @@ class ShardedModel:
         return units
 
     def _find_units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
-        stepped: set[int] = set()
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param not in self._unit_of:
-                    raise RuntimeError(
-                        f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that was added "
-                        "after training started (optimizer.add_param_group?). ZeRO binds the optimizer's parameters "
-                        "at setup: create every param group in configure_optimizers (set lr=0 to keep one idle)."
-                    )
-                stepped.add(id(self._unit_of[param]))
+        check_optimizer_params(optimizer, self._shard_of)
+        stepped = {id(self._unit_of[p]) for group in optimizer.param_groups for p in group["params"]}
         return [u for u in self.units if id(u) in stepped]
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of ``optimizer``'s gradients over all ranks' shards (one all-reduce; same on every rank)."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p.numel()]
+        grads = [p.grad for p in self.shard_params_of(optimizer) if p.grad is not None and p.numel()]
         norm_type = float(norm_type)
         device = self.units[0].device  # where collectives run (gradients may be offloaded to the CPU)
         total = torch.zeros((), device=device)
@@ -253,7 +334,7 @@ class ShardedModel:
         if all(u.grads_finite is True for u in with_grads):
             # Known on every rank alike from the reduction's own all-reduce: no collective needed.
             return [], []
-        shard_params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p.numel()]
+        shard_params = [p for p in self.shard_params_of(optimizer) if p.grad is not None and p.numel()]
         local: list[str] = []
         if shard_params:
             # One fused pass over all gradients (the largest magnitude of each is inf or NaN if any element is);
@@ -271,19 +352,55 @@ class ShardedModel:
 
     def drop_grads(self, optimizer: Optimizer) -> None:
         """Forget ``optimizer``'s sharded gradients, so that its next ``step()`` changes nothing."""
-        for group in optimizer.param_groups:
-            for shard_param in group["params"]:
-                shard_param.grad = None
+        for param in (p for g in optimizer.param_groups for p in g["params"]):
+            self._shard_of[param][0].grad = None
+            self.reducer.clear_marker(param)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale ``optimizer``'s sharded gradients so that their global norm is at most ``max_norm``, as
         ``torch.nn.utils.clip_grad_norm_`` does for full gradients; return the norm before clipping."""
         total = self.grad_norm(optimizer, norm_type)
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        grads = [p.grad for p in self.shard_params_of(optimizer) if p.grad is not None]
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, clip_coef.to(device=grads[0].device, dtype=grads[0].dtype))
         return total
+
+    # ------------------------------------------------------------------ user access to full parameters
+    @contextmanager
+    def gathered_parameters(self, module: nn.Module | None = None, writable: bool = True) -> Iterator[None]:
+        """Inside, the parameters of ``module`` (default: the whole model) show their full values in the master
+        dtype, as under DDP; on a normal exit, with ``writable``, what was written into them goes back to the
+        shards. A collective (one all-gather per unit that needs it): call on every rank. Memory: those units'
+        full parameters at once.
+
+        Example::
+
+            with sharded.gathered_parameters(model.backbone, writable=False):
+                norms = {n: p.norm() for n, p in model.backbone.named_parameters()}
+        """
+        wanted = None if module is None else {id(p) for p in module.parameters()}
+        units = [
+            u
+            for u in self.units
+            if u.needs_gather_to_read and (wanted is None or any(id(p) in wanted for p in u.params))
+        ]
+        shown: list[tuple[ShardedUnit, torch.Tensor, list[torch.Tensor]]] = []
+        failed = False
+        try:
+            for unit in units:
+                unit.check_no_hidden_writes()
+                full = unit.full_flat()
+                shown.append((unit, full, unit.show(unit.full_views(full))))
+            yield
+        except BaseException:
+            failed = True  # restore locally; writes are not spread (peers may not be here)
+            raise
+        finally:
+            for unit, full, previous in shown:
+                unit.hide_again(previous)
+                if writable and not failed:
+                    unit.take_writes(full)
 
     # ------------------------------------------------------------------ state dicts (see full_state.py)
     def full_state_dict(self) -> dict[str, Any]:
@@ -302,7 +419,7 @@ class ShardedModel:
 
     def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         """Load a full (DDP-shaped) optimizer state dict into ``optimizer``'s shards."""
-        load_full_optimizer_state_dict(optimizer, state_dict, self._param_of)
+        load_full_optimizer_state_dict(optimizer, state_dict, self._param_of, lambda: self.on_shards(optimizer))
 
     # ------------------------------------------------------------------ lifecycle and accounting
     def release(self, gather: bool = True) -> None:
@@ -311,9 +428,19 @@ class ShardedModel:
         state (collectives: call on every rank). ``gather=False`` (after a failure on some rank,
         when collectives could hang) uses no collective: stage-3 parameters, which only exist as
         shards, become NaN, and optimizers keep stepping shards."""
+        if self._on_shards is not None:  # a step that raised
+            self._exit_shards()
+        for handles in self._step_hooks.values():
+            for handle in handles:
+                handle.remove()
+        self._step_hooks.clear()
         self.reducer.remove()
         self.reducer.drop_buffers()  # the reusable gradient buffers are not needed once the module is plain
+        for unit in self.units:
+            for param in unit.params:
+                self.reducer.clear_marker(param)
         self.loader.remove()
+        self.state_dict_gatherer.remove()
         if self.stage3 is not None:
             self.stage3.remove()
         if not gather:
@@ -328,8 +455,6 @@ class ShardedModel:
 
     def _unbind_optimizer(self, optimizer: Optimizer) -> None:
         full = self.full_optimizer_state_dict(optimizer)
-        for group in optimizer.param_groups:
-            group["params"] = [self._param_of[p][0] for p in group["params"]]
         params = [p for g in optimizer.param_groups for p in g["params"]]
         optimizer.state = defaultdict(dict)
         for index, state in full["state"].items():

@@ -127,7 +127,7 @@ class Stage3Hooks:
     def after_unit_reduced(self, unit: ShardedUnit) -> None:
         """All trainable parameters have their gradient: free the unit now, unless a frozen
         parameter's value may still be needed later in this backward."""
-        if unit in self.in_backward and len(unit.trainable_indices) == len(unit.params):
+        if unit in self.in_backward and all(p.requires_grad for p in unit.params):
             self.in_backward.discard(unit)
             if unit not in self.held:
                 unit.reshard()

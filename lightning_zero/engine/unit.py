@@ -21,10 +21,37 @@ else does. ``shard`` is the compute-dtype slice that all-gathers read from:
 - ``reshard_after_forward=False`` (stages 1 and 2): ``flat`` is always allocated; after the
   optimizer step the master shard is copied into ``shard`` and all-gathered in place.
 - ``reshard_after_forward=True`` (stage 3): ``flat``'s storage is resized to 0 bytes while the
-  unit is ``SHARDED``; ``unshard()`` re-allocates it and all-gathers into it. Resizing the storage
-  (instead of swapping ``param.data``) keeps every reference autograd or the user holds valid.
-  Writes go through ``flat``, which does not share the parameters' version counters, so tensors
-  saved for backward stay usable.
+  unit is ``SHARDED``; ``unshard()`` re-allocates it and all-gathers into it. Writes go through
+  ``flat``, which does not share the parameters' version counters, so tensors saved for backward
+  stay usable. The parameters themselves never point into freed storage: see [Note: parameters
+  outside their unit's use].
+
+[Note: parameters outside their unit's use]
+A stage-3 parameter is always the same ``nn.Parameter`` object (optimizers, tied modules, autograd
+and user code keep their references), but what its ``.data`` is depends on the unit's state:
+
+- ``UNSHARDED``: a view of ``flat`` (the gathered values);
+- ``SHARDED``: a *placeholder*: one NaN element expanded to the parameter's shape (stride 0). It
+  has the right shape, dtype and device (``numel()``, ``ModelSummary``, ``p.device`` work), reads
+  give NaN (loud, never another tensor's memory), and in-place arithmetic or copies into it
+  (``copy_``, ``mul_``, ``lerp_``) raise PyTorch's "more than one element of the written-to tensor
+  refers to a single memory location" error. Fills (``zero_``, ``fill_``, ``normal_``) are not
+  refused by PyTorch, but any in-place write through the parameter (or its ``detach()``) bumps its
+  version counter: the next ``unshard()`` compares it with the one recorded at ``reshard()`` and
+  raises ``ShardedParameterWriteError`` naming the parameter, so no write is ever dropped silently.
+  (Writes through ``param.data`` share no version counter and cannot be seen; they land in the
+  placeholder and are lost.)
+
+Reading a freed storage crashed the process; a placeholder cannot. Code that needs the real values
+outside a forward uses ``ShardedModel.gathered_parameters()`` (full values in the master dtype,
+writes go back to the shards), or ``module.state_dict()``, which gathers (see ``StateDictGatherer``
+in ``full_state.py``). FSDP2 answers the same question with DTensor parameters; our flat layout
+splits parameters at arbitrary element offsets, which a DTensor placement cannot describe, and
+DeepSpeed leaves an empty tensor, which reads as a silently wrong shape.
+
+During an optimizer step (``ShardedModel.on_shards``) a parameter's ``.data`` is its 1-D master
+piece and its ``.grad`` the sharded gradient, so the user's optimizer steps the module's own
+parameters: ``param_groups`` and ``state`` keep the objects Lightning callbacks look for.
 
 Gradients are never kept here: ``reduce_grads`` packs the full gradients into a ``reduce_dtype``
 buffer, reduce-scatters it, and returns this rank's shard in the master dtype and device; the full
@@ -85,9 +112,6 @@ class ShardedUnit:
         self.reshard_after_forward = reshard_after_forward
         self.layout = ShardLayout.from_shapes([p.shape for p in params], comm.world_size)
         self.param_shards: list[ParamShard] = self.layout.param_shards(comm.rank)
-        # Fixed at construction: gradient hooks and shard parameters are made for exactly these.
-        self.trainable_indices = [i for i, p in enumerate(params) if p.requires_grad]
-        self.frozen_indices = [i for i, p in enumerate(params) if not p.requires_grad]
         self.master_dtype = params[0].dtype
         self.dtype = param_dtype or self.master_dtype
         # Gradients of half-precision parameters are summed in fp32 unless asked otherwise (accuracy).
@@ -119,6 +143,12 @@ class ShardedUnit:
             self.master = self.flat[start:end].clone() if reshard_after_forward else self.flat[start:end]
             self.shard = self.master
         self._point_params_into(self.flat)
+        # Views of ``flat`` (valid across storage resizes) and placeholders, made once: switching between
+        # them is one ``.data`` assignment per parameter (see [Note: parameters outside their unit's use]).
+        self._views = [p.data for p in params]
+        self._placeholders = [placeholder_like(p) for p in params]
+        self._exposed = True
+        self._versions_when_hidden: list[int] = []
         self._gathering: Pending | None = None  # an all-gather into ``flat`` in flight (prefetch)
         # Whether the sharded gradients last reduced hold no inf/NaN on any rank: True/False when known for
         # every rank alike (set by GradReducer), None when unknown (accumulated onto earlier gradients).
@@ -140,8 +170,9 @@ class ShardedUnit:
             param.data = flat[offset : offset + numel].view(param.shape)
 
     def _make_shard_param(self, param: nn.Parameter, piece: ParamShard) -> nn.Parameter:
+        # Holds the master piece and, as its ``.grad``, the sharded gradient; never itself in an optimizer.
         data = self.master[piece.shard_offset : piece.shard_offset + piece.numel]
-        return nn.Parameter(data, requires_grad=param.requires_grad)
+        return nn.Parameter(data, requires_grad=False)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -157,38 +188,70 @@ class ShardedUnit:
     # ------------------------------------------------------------------ parameters
     def unshard(self, async_op: bool = False) -> None:
         """Make the full parameters usable (idempotent; a no-op for stages 1 and 2). ``async_op``
-        (prefetch) only issues the all-gather: a later ``unshard()`` waits for it."""
-        if self.state is UnitState.UNSHARDED:
-            if not async_op:
-                self.wait_gather()
-            return
-        storage = self.flat.untyped_storage()
-        storage.resize_(self.layout.padded_numel * self.flat.element_size())
-        with torch.no_grad():
-            # Which unit is gathered when depends on the model's control flow: checked (see
-            # [Note: collective checks] in comm.py).
-            self._gathering = self.comm.all_gather(
-                self.flat, self._gather_source(), name=self.name, guard=True, async_op=async_op
-            )
-        self.state = UnitState.UNSHARDED
+        (prefetch) only issues the all-gather: a later ``unshard()`` waits for it, and only then do the
+        parameters point at the gathered values."""
+        if self.state is UnitState.SHARDED:
+            self.check_no_hidden_writes()
+            storage = self.flat.untyped_storage()
+            storage.resize_(self.layout.padded_numel * self.flat.element_size())
+            with torch.no_grad():
+                # Which unit is gathered when depends on the model's control flow: checked (see
+                # [Note: collective checks] in comm.py).
+                self._gathering = self.comm.all_gather(
+                    self.flat, self._gather_source(), name=self.name, guard=True, async_op=async_op
+                )
+            self.state = UnitState.UNSHARDED
+        if not async_op:
+            self.wait_gather()
 
     @property
     def gather_in_flight(self) -> bool:
         return self._gathering is not None
 
-    def wait_gather(self) -> None:
-        """Wait for a prefetching all-gather, if one is in flight."""
+    def _finish_gather(self) -> None:
         if self._gathering is not None:
             self._gathering.wait()
             self._gathering = None
 
+    def wait_gather(self) -> None:
+        """Wait for a prefetching all-gather, if one is in flight; the parameters then show its values."""
+        self._finish_gather()
+        if self.state is UnitState.UNSHARDED and not self._exposed:
+            self._set_param_data(self._views)
+            self._exposed = True
+
     def reshard(self) -> None:
-        """Free the full parameters (idempotent; a no-op for stages 1 and 2)."""
+        """Free the full parameters (idempotent; a no-op for stages 1 and 2): they become placeholders."""
         if not self.reshard_after_forward or self.state is UnitState.SHARDED:
             return
-        self.wait_gather()
+        self._finish_gather()
+        self._set_param_data(self._placeholders)
+        self._exposed = False
+        self.record_hidden_versions()
         self.flat.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+
+    def record_hidden_versions(self) -> None:
+        """Remember the parameters' version counters while they are placeholders (see [Note: parameters outside
+        their unit's use]); called by ``reshard()`` and after anything of ours that writes them legitimately."""
+        self._versions_when_hidden = [p._version for p in self.params]
+
+    def check_no_hidden_writes(self) -> None:
+        """Raise ``ShardedParameterWriteError`` if user code wrote into a placeholder since ``reshard()``."""
+        if self._exposed or not self._versions_when_hidden:
+            return
+        for param, name, version in zip(self.params, self.param_names, self._versions_when_hidden):
+            if param._version != version:
+                raise ShardedParameterWriteError(
+                    f"parameter {name!r} (unit {self.name!r}) was written in place while its unit was sharded "
+                    "(stage 3, outside its module's forward), so the write would be lost. Write inside "
+                    "`with trainer.strategy.gathered_parameters(module):` (or ShardedModel.gathered_parameters), "
+                    "which writes back into the shards, or load values with module.load_state_dict(...)."
+                )
+
+    def _set_param_data(self, tensors: list[torch.Tensor]) -> None:
+        for param, data in zip(self.params, tensors):
+            param.data = data
 
     def gather_updated_shards(self, async_op: bool = False) -> Pending | None:
         """After the optimizer stepped the master shard: refresh the compute shard, then the full
@@ -204,6 +267,7 @@ class ShardedUnit:
 
     def full_flat(self) -> torch.Tensor:
         """A full copy of the flat buffer in the master dtype, gathered (for state dicts)."""
+        self._finish_gather()
         if self.state is UnitState.UNSHARDED and not self.separate_master:
             return self.flat.detach().clone()
         full = torch.empty(self.layout.padded_numel, dtype=self.master_dtype, device=self.device)
@@ -213,6 +277,7 @@ class ShardedUnit:
     def load_full_flat(self, full: torch.Tensor) -> None:
         """Take this rank's master shard (and compute copies) from a full flat tensor (any dtype)."""
         start, end = self.layout.shard_range(self.comm.rank)
+        self._finish_gather()
         with torch.no_grad():
             self.master.copy_(full[start:end])
             if self.separate_master and self.shard is not None:
@@ -225,15 +290,16 @@ class ShardedUnit:
         collective. What cannot be rebuilt alone (stage-3 parameters, or master values that only exist
         as shards under mixed precision) becomes NaN, loud rather than silently wrong; reload it from a
         checkpoint."""
-        if self.state is UnitState.SHARDED:
-            self.flat.untyped_storage().resize_(self.layout.padded_numel * self.flat.element_size())
+        if self._gathering is not None:  # a prefetch whose peers may be gone: never waited for
+            self._gathering = None
         lost = self.state is UnitState.SHARDED or self.separate_master
         with torch.no_grad():
-            for param in self.params:
-                data = param.data.to(self.master_dtype, copy=True)
+            for param, view in zip(self.params, self._views):
                 if lost:
-                    data.fill_(float("nan"))
-                param.data = data
+                    param.data = torch.full(param.shape, float("nan"), dtype=self.master_dtype, device=self.device)
+                else:
+                    param.data = view.to(self.master_dtype, copy=True)
+        self._exposed = True
         self.state = UnitState.UNSHARDED
 
     def release(self) -> None:
@@ -244,7 +310,44 @@ class ShardedUnit:
         with torch.no_grad():
             for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
                 param.data = full[offset : offset + numel].view(param.shape).clone()
+        self._exposed = True
         self.state = UnitState.UNSHARDED
+
+    # ------------------------------------------------------------------ user access and optimizer steps
+    @property
+    def needs_gather_to_read(self) -> bool:
+        """Whether the parameters may not show the master values (stage 3, or a separate master)."""
+        return self.reshard_after_forward or self.separate_master
+
+    def show(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Point the parameters at ``tensors``; return what they pointed at (to ``show`` again later). Writes made
+        meanwhile are the caller's to handle (``take_writes``)."""
+        previous = [p.data for p in self.params]
+        self._set_param_data(tensors)
+        return previous
+
+    def full_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view of a full flat tensor (``full_flat()``)."""
+        return [
+            full[offset : offset + numel].view(p.shape)
+            for p, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels)
+        ]
+
+    def take_writes(self, full: torch.Tensor) -> None:
+        """After user code wrote into a gathered copy: this rank's slice becomes the master shard, and the
+        compute copies are refreshed from the shards (a collective when the full parameters are kept)."""
+        start, end = self.layout.shard_range(self.comm.rank)
+        with torch.no_grad():
+            self.master.copy_(full[start:end])
+        pending = self.gather_updated_shards()
+        if pending is not None:
+            pending.wait()
+
+    def hide_again(self, previous: list[torch.Tensor]) -> None:
+        """Undo ``show``: the parameters point at ``previous`` again; what was written meanwhile is not a write
+        into a placeholder."""
+        self._set_param_data(previous)
+        self.record_hidden_versions()
 
     # ------------------------------------------------------------------ gradients
     def reduce_grads(
@@ -342,6 +445,16 @@ class ReducedGrads:
         if self._out.dtype != unit.master_dtype or unit.master_device != unit.device:
             self._out = self._out.to(device=unit.master_device, dtype=unit.master_dtype)
         return self._out
+
+
+class ShardedParameterWriteError(RuntimeError):
+    """User code wrote into a stage-3 parameter while its unit was sharded (the write would be lost)."""
+
+
+def placeholder_like(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's stand-in while its unit is sharded: one NaN element expanded to the parameter's shape
+    (see [Note: parameters outside their unit's use])."""
+    return torch.full((), float("nan"), dtype=param.dtype, device=param.device).expand(param.shape)
 
 
 def check_unit_params(name: str, params: list[nn.Parameter], names: list[str]) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar
@@ -55,6 +55,7 @@ from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.files import find_checkpoint, remove
 from lightning_zero.engine.materialize import MetaWriteCounter, has_meta_tensors
 from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
 from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure
 from lightning_zero.strategies.memory_report import MemoryReport, memory_report
 from lightning_zero.strategies.options import (
@@ -208,6 +209,7 @@ class ZeROStrategy(ParallelStrategy):
         self._failed = False
         self._stats_logged_until: CommStats | None = None
         self._meta_writes: Counter[int] | None = None
+        self._inserted_callbacks: list[pl.Callback] = []
 
     # ------------------------------------------------------------------ processes
     @property
@@ -336,6 +338,7 @@ class ZeROStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 self._sharded.bind_optimizer(_unwrap(optimizer))
+            self._inserted_callbacks = bracket_full_parameter_callbacks(self, trainer.callbacks)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -371,6 +374,9 @@ class ZeROStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._inserted_callbacks and self._lightning_module is not None:
+            unbracket(self._lightning_module.trainer.callbacks, self._inserted_callbacks)
+        self._inserted_callbacks = []
         if self._sharded is not None:
             self._sharded.release(gather=not self._failed)
             self._sharded = None
@@ -421,7 +427,7 @@ class ZeROStrategy(ParallelStrategy):
         held_already = (
             root is not None and self.sharded_model.stage3 is not None and root in self.sharded_model.stage3.held
         )
-        self.sharded_model.begin_step(sync_buffers=False, training=False)
+        self.sharded_model.begin_step(training=False)
         try:
             yield
         finally:
@@ -450,6 +456,23 @@ class ZeROStrategy(ParallelStrategy):
     def block_backward_sync(self) -> Generator[None, None, None]:
         with self.sharded_model.no_sync():
             yield
+
+    def gathered_parameters(self, module: Module | None = None, writable: bool = True) -> AbstractContextManager:
+        """A context in which the parameters of ``module`` (default: the whole ``LightningModule``) hold their full
+        values, in the master dtype, as under ``DDPStrategy``; with ``writable`` (default), what user code writes
+        into them is kept. Outside a forward, stage-3 parameters are placeholders that read as NaN and refuse
+        writes (see ``docs/troubleshooting.md``). A collective: call it on every rank. Lightning's weight-averaging
+        callbacks get this automatically; ``module.state_dict()`` gathers by itself.
+
+        Example::
+
+            def on_train_epoch_end(self):
+                with self.trainer.strategy.gathered_parameters(self.encoder):
+                    self.log("encoder_norm", torch.cat([p.flatten() for p in self.encoder.parameters()]).norm())
+        """
+        if self._sharded is None:
+            return nullcontext()
+        return self._sharded.gathered_parameters(module, writable=writable)
 
     def grad_norm(self, optimizer: Optimizer | None = None, norm_type: float = 2.0) -> Tensor:
         """The global norm of the current (sharded) gradients; call it on every rank.

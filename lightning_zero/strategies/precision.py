@@ -209,18 +209,28 @@ class ZeROPrecision(Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        if self.scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        # The closure (forward and backward) runs first, on full parameters; then the step runs with the
+        # parameters as this rank's master pieces (``ShardedModel.on_shards``), as Lightning's own mixed
+        # precision runs its closure before ``optimizer.step()``.
         closure_result = closure()
         skip = closure_result is None and model.automatic_optimization  # the user's step returned no loss
+        if self.scaler is None:
+            self._after_closure(model, optimizer)
+            if skip:
+                return closure_result
+            with self._engine().on_shards(optimizer):
+                optimizer.step(**kwargs)
+            return closure_result
         if not skip:
-            self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
+            with self._engine().on_shards(optimizer):
+                self.scaler.unscale_(optimizer)  # type: ignore[arg-type]
         self._after_closure(model, optimizer)
         if skip:
             return closure_result
         found = self.scaler._found_inf_per_device(optimizer)  # type: ignore[arg-type]
         overflow = bool(sum(float(v) for v in found.values()))
-        output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
+        with self._engine().on_shards(optimizer):
+            output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
         scale = self.scaler.get_scale()
         self.scaler.update()
         if overflow:
@@ -273,6 +283,11 @@ class ZeROPrecision(Precision):
         self._engine().drop_grads(optimizer)
         self.skipped_steps += 1
         rank_zero_warn(f"skipped optimizer step {step}: non-finite gradients on {where} ({self.skipped_steps} so far)")
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        with self._engine().on_shards(optimizer):  # element-wise: the sharded gradients are clipped in place
+            super().clip_grad_by_value(optimizer, clip_val)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
