@@ -6,6 +6,8 @@
   activation-checkpointing recomputation runs the forward inside backward);
 - after the unit's gradients are reduced (``GradReducer``), or when backward ends: ``reshard()``.
 
+The forward hooks run eagerly, outside ``torch.compile`` graphs (see [Note: torch.compile] in ``compiled.py``).
+
 [Note: prefetch]
 The order in which units run is recorded on the first training step, once for forward and once
 for backward. On later steps, when unit ``k`` of that order starts, the all-gathers of the next
@@ -33,6 +35,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from lightning_zero.engine.compiled import outside_graphs
 from lightning_zero.engine.unit import ShardedUnit
 
 
@@ -68,8 +71,8 @@ class Stage3Hooks:
     def install(self) -> None:
         for unit in self.units:
             module = unit.module
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward(unit)))
-            self._handles.append(module.register_forward_hook(self._post_forward(unit)))
+            self._handles.append(module.register_forward_pre_hook(outside_graphs(self._pre_forward(unit))))
+            self._handles.append(module.register_forward_hook(outside_graphs(self._post_forward(unit))))
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -1,0 +1,60 @@
+"""``torch.compile`` and the engine: what runs inside compiled graphs, and what stays outside.
+
+[Note: torch.compile]
+``torch.compile(module)`` and ``module.compile()`` both run ``module``'s own hooks eagerly and compile
+its ``forward``. Inside that ``forward``, Dynamo inlines the call of every submodule, *with its hooks*.
+The stage-3 forward hooks (``stage3.py``) of a unit called from compiled code must not be traced:
+
+- they issue collectives. Traced, Dynamo swaps the gloo all-to-all of an all-gather for a functional
+  collective and runs it on fake tensors, which fails at the first compile
+  (``TorchRuntimeError: ... making fake tensor call``: what stage 3 raised before this note);
+- they resize storages and read Python state that changes from call to call (which units are
+  gathered, held or prefetched, the order recorded on the first step): traced, each such value would
+  become a guard (a recompile) or be frozen into the graph at the value it had when traced.
+
+So every stage-3 module hook is wrapped in ``torch.compiler.disable`` (``outside_graphs``), as FSDP2
+does with its own hooks. Dynamo cannot trace across such a call: its graph ends where a unit's module
+is called, the hooks run eagerly, and the unit's own ``forward`` is compiled as a frame of its own
+(its parameters are gathered by then). So:
+
+- **Stages 1 and 2** install no module hook (their gradient hooks fire in autograd's engine after the
+  compiled backward produced the gradient): a compiled module gives DDP's graphs.
+- **Stage 3** breaks the graph wherever compiled code calls a unit. With the default units (every
+  module that owns parameters), each ``Linear`` and ``LayerNorm`` is one, so little is fused. With
+  transformer blocks as units (``unit_modules=[Block]``) and each block compiled, a block contains no
+  other unit: one graph per block, as DDP's, and ``fullgraph=True`` works.
+- A graph break inside a loop (``for block in self.blocks``) makes Dynamo run that whole frame eagerly
+  and compile the frames it calls instead: compiling a whole model under stage 3 compiles, in effect,
+  the code of each unit.
+
+Compiled code reads the same tensors eager code does, so the stage-3 rules for reading parameters
+outside their unit's forward apply to it unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+_Hook = TypeVar("_Hook", bound=Callable[..., object])
+_REASON = (
+    "a lightning_zero stage-3 hook: it gathers or frees a unit's parameters, with collectives, so it runs eagerly "
+    "and the graph breaks at the unit. For one graph without breaks (fullgraph=True), make each compiled module "
+    "a unit that contains no other: ZeRO3Strategy(unit_modules=[TheCompiledClass])"
+)
+# Dynamo prints ``reason`` in its graph-break messages; torch.compiler.disable takes it from torch 2.7 on.
+_DISABLE_KWARGS = {"reason": _REASON} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
+
+
+def outside_graphs(hook: _Hook) -> _Hook:
+    """``hook``, run eagerly even when compiled code calls it: Dynamo ends its graph before the call and
+    resumes after it (see [Note: torch.compile]).
+
+    Example::
+
+        module.register_forward_pre_hook(outside_graphs(gather_unit))
+    """
+    return torch.compiler.disable(hook, **_DISABLE_KWARGS)
