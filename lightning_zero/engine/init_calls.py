@@ -22,10 +22,10 @@ Both need to see Python calls. ``InitCallObserver`` sees them with ``sys.setprof
 for observing calls: nothing of torch or transformers is replaced. A profile function cannot run observed
 code itself (profiling is off inside it), so the pending ``initialize_weights()`` runs from the recorder's
 ``TorchFunctionMode``, at the next torch call; if ``init_weights`` returns first, it is not run late. The
-observer is active only while recording, and never over another profiler; ``uninitialized_library_modules``
-then names any transformers module left uninitialized (another profiler held the hook, or a later
-transformers changed its decision), and ``materialize_units`` refuses the model rather than let it train from
-wrong values.
+observer is active only while recording. It never displaces another profiler: a trace recorded while one held
+the hook is refused at setup. ``uninitialized_library_modules`` names any transformers module left
+uninitialized anyway (a later transformers changed its decision), and ``materialize_units`` refuses the model
+rather than let it train from wrong values.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ class InitCallObserver:
         if sys.getprofile() is None:
             sys.setprofile(self._observe)
             self._active = True
+        else:  # a profiler's hook cannot be shared from Python: the trace is incomplete, and refused at setup
+            self.trace.calls_observed = False
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:

@@ -114,6 +114,7 @@ class InitTrace:
     generators: dict[torch.Generator, torch.Tensor] = field(default_factory=dict)  # explicit ones, first seen
     keepalive: list[torch.Tensor] = field(default_factory=list)  # so that no storage key is reused
     suppressed: int = 0  # > 0 inside an init call recorded whole: its ops are not recorded
+    calls_observed: bool = True  # False: another profiler held sys.setprofile, init calls were not seen
 
     def add_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self.suppressed:

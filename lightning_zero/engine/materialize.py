@@ -189,6 +189,13 @@ def materialize_units(
             "under meta_init (the stage-3 default) or under lightning_zero.engine.record_meta_init(), or on a "
             "real device."
         )
+    if not trace.calls_observed:
+        raise MetaInitError(
+            "Another profiler held sys.setprofile while configure_model built the model under meta_init (the stage-3 "
+            "default), so the torch.nn.init and transformers initialization it runs could not be recorded (see "
+            "[Note: init calls on meta] in lightning_zero/engine/init_calls.py). Start the profiler after setup, "
+            "or pass meta_init=False."
+        )
     missing = uninitialized_library_modules(module)
     if missing:
         raise MetaInitError(
