@@ -29,8 +29,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
-from lightning_zero.engine import Comm, ShardedModel, module_class_policy
-from lightning_zero.engine.init_trace import record_meta_init
+from lightning_zero.engine import Comm, ShardedModel, module_class_policy, record_meta_init
 from tests.distributed import spawn
 from tests.memory_tracker import LiveStorageBytes
 from tests.models import quiet_trainer

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_zero.engine.grouping import UnitPlan
 from lightning_zero.engine.init_calls import uninitialized_library_modules
+from lightning_zero.engine.init_plan import Version, plan_replay
 from lightning_zero.engine.init_trace import (
     TARGET_DEVICE,
     InitStep,
@@ -62,79 +63,10 @@ from lightning_zero.engine.init_trace import (
 )
 from lightning_zero.engine.layout import ShardLayout
 
-UNKNOWN = -1  # the version of a storage that existed before recording began
-
-Version = tuple[int, int]  # (storage key, version number)
-
 
 def has_meta_tensors(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` lives on the ``meta`` device."""
     return any(t.is_meta for t in module.parameters()) or any(t.is_meta for t in module.buffers())
-
-
-@dataclass
-class _StepVersions:
-    """The versions one step touches: by storage key, and which of them it starts."""
-
-    touched: dict[int, int]
-    reads: list[Version]
-    writes: list[Version]
-    created: list[Version]
-
-
-@dataclass
-class ReplayPlan:
-    """Which recorded steps run, and when each version they touch needs memory (see [Note: meta init])."""
-
-    steps: list[_StepVersions]
-    execute: list[bool]
-    final: dict[int, int]  # storage key -> its version at the end of the recording
-    first: dict[Version, int]  # version -> first step that runs on it
-    last: dict[Version, int]  # version -> last step that runs on it
-    unknown: list[Version]  # needed, but from before the recording: nothing says what they hold
-
-
-def plan_replay(trace: InitTrace, needed: set[int]) -> ReplayPlan:
-    """Versions, liveness and lifetimes (see [Note: meta init]) for the final values of the storages ``needed``."""
-    current: dict[int, int] = {}
-    per_step = []
-    for step in trace.steps:
-        read_keys = {r.storage for r in step.reads}
-        starts = {
-            w.storage
-            for w in step.writes
-            if step.overwrites and w.storage not in read_keys and w.covers(trace.nbytes[w.storage])
-        }
-        for key in starts:
-            current[key] = current.get(key, UNKNOWN) + 1
-        for ref in step.outputs:
-            if ref is not None:
-                current[ref.storage] = 0
-        touched = {r.storage: current.get(r.storage, UNKNOWN) for r in [*step.reads, *step.writes]}
-        touched.update({r.storage: 0 for r in step.outputs if r is not None})
-        per_step.append(
-            _StepVersions(
-                touched=touched,
-                reads=[(r.storage, touched[r.storage]) for r in step.reads],
-                writes=[(w.storage, touched[w.storage]) for w in step.writes],
-                created=[(r.storage, 0) for r in step.outputs if r is not None],
-            )
-        )
-    live = {(key, current.get(key, UNKNOWN)) for key in needed}
-    execute = [False] * len(per_step)
-    for i in reversed(range(len(per_step))):
-        versions = per_step[i]
-        if trace.steps[i].random or any(v in live for v in versions.writes + versions.created):
-            execute[i] = True
-            live.update(versions.reads)
-    first: dict[Version, int] = {}
-    last: dict[Version, int] = {}
-    for i, versions in enumerate(per_step):
-        if execute[i]:
-            for version in versions.touched.items():
-                first.setdefault(version, i)
-                last[version] = i
-    return ReplayPlan(per_step, execute, current, first, last, sorted(v for v in live if v[1] == UNKNOWN))
 
 
 @dataclass
@@ -390,6 +322,6 @@ def _allocate(
         real = nn.Parameter(torch.empty(0, dtype=full.dtype, device=device), requires_grad=param.requires_grad)
         real.data = view
         for mod, name in holders[id(param)]:
-            mod._parameters[name] = real
+            setattr(mod, name, real)  # not _parameters[name]: a module may track its parameters (nn.LSTM)
         plan.params[j] = real
     return full
