@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -287,6 +288,9 @@ def record_meta_init(device: torch.device | None = None) -> Iterator[InitTrace]:
     trace.rng_state = generator_state(trace.device)
     observer = InitCallObserver(trace)
     with ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        # Not a no-op here: the copy is recorded and replayed.
+        warnings.filterwarnings("ignore", message=r".*copying from a non-meta parameter in the checkpoint to a meta")
         stack.enter_context(torch.device("meta"))
         stack.enter_context(_FunctionRecorder(trace, observer))
         stack.enter_context(_OpRecorder(trace))
