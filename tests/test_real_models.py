@@ -15,7 +15,8 @@ CPU build of torch). Needs the ``models`` extra (part of ``test``); skipped with
   unit is open throughout), never the full model.
 - A ``Trainer`` on 2 ranks, 3 steps, fp32 AdamW, per model: ``zero1``, ``zero2``, ``zero3`` with the model
   built ordinarily (``meta_init=False``) and ``zero3`` with its defaults (built on meta) give DDP's losses
-  and final parameters and buffers, bitwise at 2 ranks (no clipping; see ``docs/parity.md``).
+  and final parameters and buffers, bitwise at 2 ranks (no clipping; see ``docs/parity.md``). Also Llama
+  in ``bf16-true`` under ``zero3`` defaults (the setup cast of meta layers is replayed).
 """
 
 from __future__ import annotations
@@ -115,27 +116,37 @@ STRATEGIES = {
 }
 
 
-def _fit(name: str, strategy: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _fit(name: str, strategy: Any, **trainer_kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     L.seed_everything(0)
     model = RealModelNet(name)
     snapshot = Snapshot()
-    quiet_trainer(strategy=strategy, devices=2, max_steps=3, callbacks=[snapshot]).fit(model)
+    quiet_trainer(strategy=strategy, devices=2, max_steps=3, callbacks=[snapshot], **trainer_kwargs).fit(model)
     return model.losses, snapshot.final
+
+
+def _check(where: str, got: tuple[list[float], dict[str, torch.Tensor]], ddp: tuple[list[float], dict]) -> None:
+    (got_losses, got_final), (losses, final) = got, ddp
+    assert got_losses == losses, f"{where}: losses {got_losses} != DDP's {losses}"
+    assert set(got_final) == set(final), where
+    for key, value in final.items():
+        assert got_final[key].dtype == value.dtype and torch.equal(got_final[key], value), f"{where}: {key}"
 
 
 def _trainer_parity(rank: int, world_size: int) -> dict[str, list[str]]:
     results: dict[str, list[str]] = {}
     for name in NAMES:
-        losses, final = _fit(name, DDPStrategy())
+        ddp = _fit(name, DDPStrategy())
         results[name] = []
         for label, strategy in STRATEGIES.items():
-            got_losses, got_final = _fit(name, strategy())
-            where = f"{name} under {label}, rank {rank}"
-            assert got_losses == losses, f"{where}: losses {got_losses} != DDP's {losses}"
-            assert set(got_final) == set(final), where
-            for key, value in final.items():
-                assert torch.equal(got_final[key], value), f"{where}: {key} differs from DDP"
+            _check(f"{name} under {label}, rank {rank}", _fit(name, strategy()), ddp)
             results[name].append(label)
+    # bf16-true casts the layers at setup, after configure_model: the cast of the meta layers (Llama's rotary
+    # buffers are made in fp32) is replayed too.
+    ddp = _fit("llama", DDPStrategy(), precision="bf16-true")
+    _check(
+        f"llama bf16-true under zero3 defaults, rank {rank}", _fit("llama", ZeRO3Strategy(), precision="bf16-true"), ddp
+    )
+    results["llama bf16-true"] = ["zero3 defaults (meta init)"]
     return results
 
 

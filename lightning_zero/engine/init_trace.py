@@ -281,11 +281,13 @@ def set_generator_state(device: torch.device, state: torch.Tensor) -> None:
 
 
 @contextmanager
-def record_meta_init(device: torch.device | None = None) -> Iterator[InitTrace]:
+def record_meta_init(device: torch.device | None = None, trace: InitTrace | None = None) -> Iterator[InitTrace]:
     """Build on the meta device and record how the model is initialized, for ``materialize_units`` to replay
-    on ``device`` (default: the CPU) one unit at a time (see [Note: meta init] in ``materialize.py``)."""
-    trace = InitTrace(device=torch.device(device or "cpu"))
-    trace.rng_state = generator_state(trace.device)
+    on ``device`` (default: the CPU) one unit at a time (see [Note: meta init] in ``materialize.py``).
+    Given the ``trace`` of an earlier recording, record more of the same build into it (a cast at setup)."""
+    if trace is None:
+        trace = InitTrace(device=torch.device(device or "cpu"))
+        trace.rng_state = generator_state(trace.device)
     observer = InitCallObserver(trace)
     with ExitStack() as stack:
         stack.enter_context(warnings.catch_warnings())
