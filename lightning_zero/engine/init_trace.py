@@ -113,7 +113,7 @@ class InitTrace:
     nbytes: dict[int, int] = field(default_factory=dict)  # storage key -> bytes
     rng_state: torch.Tensor | None = None  # the device's default generator when recording began
     generators: dict[torch.Generator, torch.Tensor] = field(default_factory=dict)  # explicit ones, first seen
-    keepalive: list[torch.Tensor] = field(default_factory=list)  # so that no storage key is reused
+    keepalive: dict[int, torch.Tensor] = field(default_factory=dict)  # one tensor per storage: no key is reused
     suppressed: int = 0  # > 0 inside an init call recorded whole: its ops are not recorded
     calls_observed: bool = True  # False: another profiler held sys.setprofile, init calls were not seen
 
@@ -178,8 +178,9 @@ class InitTrace:
     def _see(self, leaves: list[Any]) -> None:
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor) and leaf.is_meta:
-                self.nbytes[storage_key(leaf)] = leaf.untyped_storage().nbytes()
-                self.keepalive.append(leaf)
+                key = storage_key(leaf)
+                self.nbytes[key] = leaf.untyped_storage().nbytes()
+                self.keepalive.setdefault(key, leaf)
             elif isinstance(leaf, torch.Generator) and leaf not in self.generators:
                 self.generators[leaf] = leaf.get_state()
 

@@ -7,8 +7,9 @@ nn.init...``), ``post_init()``-style ``_init_weights``, buffers computed in ``__
 causal masks), an ``apply(init_fn)`` or a ``load_state_dict`` after construction. Rather than ask every
 library to follow one convention, ``record_meta_init`` (``init_trace.py``) watches the build with a
 ``TorchDispatchMode`` and records, in order, every aten op that creates, writes or reads a meta tensor (and
-the values of ``torch.tensor(data)``, which never reach the dispatcher). That list is the initialization, as
-the library wrote it; nothing is patched. ``materialize_units`` replays it on real memory.
+the values of ``torch.tensor(data)``, which never reach the dispatcher; and ``torch.nn.init`` calls whole,
+see [Note: init calls on meta] in ``init_calls.py``). That list is the initialization, as the library wrote
+it; nothing is patched. ``materialize_units`` replays it on real memory (``init_plan.py`` decides what runs).
 
 Replaying it whole would rebuild the full model. The replay knows better, from the list alone:
 
@@ -34,10 +35,11 @@ random draws are still made. Buffers (persistent or not) keep their final versio
 
 What cannot be replayed is refused at setup, on every rank, naming the tensors (``MetaInitError``): a meta
 tensor that existed before recording began (or was made by code that bypasses the dispatcher), or a real
-tensor read while recording and modified in place before setup. Libraries that *behave differently* on meta
-are another matter: see [Note: transformers on meta] in ``library_init.py``. Limits: random draws made on
-real tensors inside ``configure_model`` are not interleaved with the replayed ones; code that reads values
-(``.item()``, ``.tolist()``) fails on meta at build time, as before.
+tensor read while recording and modified in place before setup. Code that *behaves differently* on meta
+(transformers 5 skips its ``_init_weights``) is the subject of [Note: init calls on meta]. Limits: random
+draws made on real tensors inside ``configure_model`` are not interleaved with the replayed ones; code that
+reads values (``.item()``, ``.tolist()``) fails on meta at build time, as before; code that reads every
+parameter after building (``model.half()``) keeps them all alive until then.
 """
 
 from __future__ import annotations
@@ -171,8 +173,7 @@ class _Replay:
                 if buf is not None and buf.is_meta:
                     self.buffers.append((mod, name, TensorRef.of(buf)))
                     names.setdefault(storage_key(buf), f"{mod_name}.{name}" if mod_name else name)
-        buffer_keys = {ref.storage for _, _, ref in self.buffers}
-        self.kept = buffer_keys
+        self.kept = {ref.storage for _, _, ref in self.buffers}  # final versions that stay: the buffers'
         self.plan = plan_replay(trace, set(self.params) | self.kept)
         unknown_keys = {key for key, _ in self.plan.unknown}
         unknown = [name for key, name in names.items() if key in unknown_keys]
@@ -187,7 +188,7 @@ class _Replay:
             key
             for key, targets in self.params.items()
             if len(targets) == 1
-            and key not in buffer_keys
+            and key not in self.kept
             and targets[0].ref.covers(trace.nbytes[key])
             and targets[0].ref.dtype == plans[targets[0].plan].params[0].dtype
         }
