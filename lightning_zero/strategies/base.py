@@ -308,7 +308,8 @@ class ZeROStrategy(ParallelStrategy):
                 f"'16-mixed')); with precision={precision.precision!r} parameters keep the module's dtype. Remove "
                 "param_dtype or choose a mixed precision."
             )
-        with record_meta_init(self.root_device, self._meta_init) if self._meta_init is not None else nullcontext():
+        built_on_meta = self._meta_init is not None and has_meta_tensors(self.model)
+        with record_meta_init(self.root_device, self._meta_init) if built_on_meta else nullcontext():
             self.model = precision.convert_module(self.model)  # a cast of meta layers is replayed too
         self.model_to_device()
         policy = owns_parameters if self.unit_modules is None else module_class_policy(self.unit_modules)
