@@ -52,9 +52,10 @@ class FineTuneGPT(GPTLightning):
     when fitting starts.
 
     Under stage 3 ``configure_model`` creates the model on the meta device (``meta_init``), already
-    sharded at setup, so no rank ever holds all of it; meta tensors hold no data, so the weights are
-    loaded afterwards, in ``on_fit_start``: ``load_state_dict`` then streams them into the shards one
-    unit at a time. The same code runs unchanged under DDP.
+    sharded at setup, so no rank ever holds all of it. The weights are loaded afterwards, in
+    ``on_fit_start``: ``load_state_dict`` then streams them into the shards one unit at a time (loaded in
+    ``configure_model`` they would be replayed at setup too, but the whole dict would wait in memory until
+    then). The same code runs unchanged under DDP.
     """
 
     def __init__(self, config: GPTConfig, pretrained: Path | None, freeze_layers: int, **kwargs: Any) -> None:

@@ -52,8 +52,8 @@ class GPTConfig:
 
 
 class GPTLinear(nn.Linear):
-    """``nn.Linear`` with GPT-2's init, N(0, std) weights and zero bias, in ``reset_parameters``: where a
-    module's init must live for the model to be created directly sharded (meta_init under stage 3)."""
+    """``nn.Linear`` with GPT-2's init, N(0, std) weights and zero bias, in ``reset_parameters``, where torch's
+    own layers keep theirs (stage 3 creates the model directly sharded whichever way it is initialized)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, std: float = 0.02) -> None:
         self.std = std
@@ -137,8 +137,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = GPTLinear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying: one Parameter reachable under two names. Deliberate, see the module docstring.
-        # Every init lives in a module's reset_parameters (none runs after construction), so the
-        # model can be created directly sharded under stage 3; the tie keeps wte's values.
+        # Every init lives in a module's reset_parameters (none runs after construction); the tie
+        # keeps wte's values.
         self.lm_head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ See ``sharded_model.ShardedModel`` for the entry point and ``layout.py`` for the
 
 from lightning_zero.engine.comm import CollectiveMismatchError, Comm, CommStats
 from lightning_zero.engine.grouping import module_class_policy, owns_parameters, plan_units
+from lightning_zero.engine.init_trace import MetaInitError, record_meta_init
 from lightning_zero.engine.layout import ParamShard, ShardLayout, ShardRange
 from lightning_zero.engine.optimizer import UnsupportedOptimizerError, check_elementwise
 from lightning_zero.engine.sharded_model import ShardedModel
@@ -14,6 +15,7 @@ __all__ = [
     "CollectiveMismatchError",
     "Comm",
     "CommStats",
+    "MetaInitError",
     "ParamShard",
     "ShardLayout",
     "ShardRange",
@@ -25,4 +27,5 @@ __all__ = [
     "module_class_policy",
     "owns_parameters",
     "plan_units",
+    "record_meta_init",
 ]

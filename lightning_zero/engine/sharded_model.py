@@ -7,7 +7,7 @@ It ties together the units (``unit.py``), gradient reduction (``grads.py``), sta
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,8 +26,9 @@ from lightning_zero.engine.full_state import (
 )
 from lightning_zero.engine.grads import GradReducer
 from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, bucket_units, owns_parameters, plan_units
+from lightning_zero.engine.init_trace import InitTrace
 from lightning_zero.engine.layout import ParamShard
-from lightning_zero.engine.materialize import check_meta_writes, has_meta_tensors, materialize_units
+from lightning_zero.engine.materialize import has_meta_tensors, materialize_units
 from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params
 from lightning_zero.engine.stage3 import Stage3Hooks
 from lightning_zero.engine.unit import ShardedUnit, check_unit_params
@@ -64,7 +65,7 @@ class ShardedModel:
         reduce_dtype: torch.dtype | None = None,
         offload_optimizer: bool = False,
         device: torch.device | None = None,
-        meta_writes: Counter[int] | None = None,
+        meta_init: InitTrace | None = None,
         prefetch: int = 1,
         reshard_after_forward: bool = True,
         bucket_numel: int = 0,
@@ -106,9 +107,7 @@ class ShardedModel:
             )
 
         if has_meta_tensors(module):
-            if meta_writes is not None:
-                check_meta_writes(module, meta_writes)
-            materialize_units(module, plans, device or torch.device("cpu"), comm.world_size, build)
+            materialize_units(module, plans, device or torch.device("cpu"), comm.world_size, build, meta_init)
         else:
             for index in range(len(plans)):
                 build(index, None)

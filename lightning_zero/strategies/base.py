@@ -12,7 +12,6 @@ the state-dict hooks convert between shards and the full, DDP-shaped state.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -53,7 +52,8 @@ from lightning_zero.engine import Comm, CommStats, ShardedModel, module_class_po
 from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
 from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.files import find_checkpoint, remove
-from lightning_zero.engine.materialize import MetaWriteCounter, has_meta_tensors
+from lightning_zero.engine.init_trace import InitTrace, record_meta_init
+from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.strategies import checkpointing
 from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
 from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure
@@ -208,7 +208,7 @@ class ZeROStrategy(ParallelStrategy):
         self._sharded: ShardedModel | None = None
         self._failed = False
         self._stats_logged_until: CommStats | None = None
-        self._meta_writes: Counter[int] | None = None
+        self._meta_init: InitTrace | None = None
         self._inserted_callbacks: list[pl.Callback] = []
 
     # ------------------------------------------------------------------ processes
@@ -310,7 +310,9 @@ class ZeROStrategy(ParallelStrategy):
                 f"'16-mixed')); with precision={precision.precision!r} parameters keep the module's dtype. Remove "
                 "param_dtype or choose a mixed precision."
             )
-        self.model = precision.convert_module(self.model)
+        built_on_meta = self._meta_init is not None and has_meta_tensors(self.model)
+        with record_meta_init(self.root_device, self._meta_init) if built_on_meta else nullcontext():
+            self.model = precision.convert_module(self.model)  # a cast of meta layers is replayed too
         self.model_to_device()
         policy = owns_parameters if self.unit_modules is None else module_class_policy(self.unit_modules)
         self._sharded = ShardedModel(
@@ -323,12 +325,12 @@ class ZeROStrategy(ParallelStrategy):
             reduce_dtype=self.reduce_dtype,
             offload_optimizer=self.offload_optimizer,
             device=self.root_device,
-            meta_writes=self._meta_writes,
+            meta_init=self._meta_init,
             prefetch=self.prefetch,
             reshard_after_forward=self.reshard_after_forward,
             bucket_numel=_bucket_numel(self.bucket_size_mb, self.model),
         )
-        self._meta_writes = None
+        self._meta_init = None
         self._sharded.comm.register_names([LIGHTNING_REDUCE])
         self._stats_logged_until = None
         precision.attach(self._sharded)
@@ -359,9 +361,9 @@ class ZeROStrategy(ParallelStrategy):
         """Around ``configure_model``: with ``meta_init``, layers are created on the ``meta`` device (no
         memory) and materialized already sharded at setup, one unit at a time."""
         if self.meta_init:
-            with torch.device("meta"), MetaWriteCounter() as counter:
+            with record_meta_init(self.root_device) as recording:
                 yield
-            self._meta_writes = counter.writes
+            self._meta_init = recording
         else:
             yield
 

@@ -6,6 +6,7 @@ import re
 
 from lightning_zero.engine.checkpoint import CheckpointMismatchError, CorruptCheckpointError
 from lightning_zero.engine.comm import CollectiveMismatchError
+from lightning_zero.engine.init_trace import MetaInitError
 from lightning_zero.engine.optimizer import UnsupportedOptimizerError
 from lightning_zero.strategies.checkpointing import UnsafeCheckpointError, WeightsOnlyCheckpointError
 from lightning_zero.strategies.precision import NonFiniteGradientError
@@ -16,6 +17,7 @@ RAISED_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
     CheckpointMismatchError,
     CollectiveMismatchError,
     CorruptCheckpointError,
+    MetaInitError,
     UnsupportedOptimizerError,
     NonFiniteGradientError,
     UnsafeCheckpointError,
