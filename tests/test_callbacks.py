@@ -47,7 +47,7 @@ def _data(n: int, seed: int) -> TensorDataset:
 class FinetuneNet(L.LightningModule):
     """A backbone (with BatchNorm when asked) and a head; the optimizer takes what requires a gradient."""
 
-    def __init__(self, batchnorm: bool = False, batch_size: int = 4, lr: float = 0.05) -> None:
+    def __init__(self, batchnorm: bool = False, batch_size: int = 4, lr: float = 0.05, sgd: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         norm = nn.BatchNorm1d(16) if batchnorm else nn.LayerNorm(16)
@@ -71,7 +71,10 @@ class FinetuneNet(L.LightningModule):
         self.val_losses.append(loss.item())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=self.hparams.lr)
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.hparams.sgd:
+            return torch.optim.SGD(params, lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.AdamW(params, lr=self.hparams.lr)
 
     def train_dataloader(self) -> DataLoader:
         # In order (Lightning's own distributed sampler would shuffle): rank r reads samples r, r+2, ..., so one

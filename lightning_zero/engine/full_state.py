@@ -70,6 +70,7 @@ class StateDictGatherer:
         self._where = {
             id(p): (unit, i) for unit in units if unit.needs_gather_to_read for i, p in enumerate(unit.params)
         }
+        self._units = units
         self._handles: list[Any] = []
         self._depth = 0
         self._gathered: dict[ShardedUnit, list[torch.Tensor]] = {}
@@ -91,6 +92,8 @@ class StateDictGatherer:
     def _enter(self, _module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
         if self._depth == 0:
             self._gathered.clear()  # a previous call that raised half-way must not leave stale values
+            for unit in self._units:
+                unit.adopt_rebound_data()
         self._depth += 1
 
     def _fill(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, _local_metadata: Any) -> None:

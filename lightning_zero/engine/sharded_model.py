@@ -168,6 +168,7 @@ class ShardedModel:
         """Start a step (a forward, and its backward when training): rank 0's buffers on DDP's schedule (see
         [Note: buffer broadcast]), the root unit held and the first units prefetched (stage 3; see
         [Note: prefetch] in ``stage3.py``)."""
+        self.adopt_rebound_data()
         if self._forward_syncs_buffers:
             self._sync_buffers()
         self._forward_syncs_buffers = torch.is_grad_enabled() and not self.reducer.no_sync_requested
@@ -175,6 +176,11 @@ class ShardedModel:
             if self.root_unit is not None:
                 self.stage3.hold(self.root_unit)
             self.stage3.begin_forward(training and torch.is_grad_enabled())
+
+    def adopt_rebound_data(self) -> None:
+        """Keep parameters whose ``.data`` user code rebound training (see ``ShardedUnit.adopt_rebound_data``)."""
+        for unit in self.units:
+            unit.adopt_rebound_data()
 
     @property
     def root_held(self) -> bool:
@@ -258,6 +264,7 @@ class ShardedModel:
         saved = []
         self._on_shards_units = self.units_of(optimizer)
         for unit in self._on_shards_units:
+            unit.adopt_rebound_data()
             unit.check_no_hidden_writes()
             for param, shard_param in zip(unit.params, unit.shard_params):
                 if shard_param.grad is not None and not reducer.has_marker(param):
@@ -384,19 +391,33 @@ class ShardedModel:
             for u in self.units
             if u.needs_gather_to_read and (wanted is None or any(id(p) in wanted for p in u.params))
         ]
-        shown: list[tuple[ShardedUnit, torch.Tensor, list[torch.Tensor]]] = []
+        shown: list[tuple[ShardedUnit, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = []
         failed = False
         try:
             for unit in units:
+                unit.adopt_rebound_data()
                 unit.check_no_hidden_writes()
                 full = unit.full_flat()
-                shown.append((unit, full, unit.show(unit.full_views(full))))
+                views = unit.full_views(full)
+                shown.append((unit, full, views, unit.show(views)))
+            shown_views = {id(unit): views for unit, _, views, _ in shown}
+            for unit in self.units:  # memory that user code once rebound a parameter to sees its current values
+                if id(unit) in shown_views:
+                    unit.refresh_aliases(shown_views[id(unit)])
+                elif wanted is None or any(id(p) in wanted for p in unit.params):
+                    unit.adopt_rebound_data()
+                    unit.refresh_aliases()
             yield
         except BaseException:
             failed = True  # restore locally; writes are not spread (peers may not be here)
             raise
         finally:
-            for unit, full, previous in shown:
+            for unit, full, views, previous in shown:
+                for index, (param, view) in enumerate(zip(unit.params, views)):
+                    if param.data_ptr() != view.data_ptr() and param.shape == view.shape:
+                        with torch.no_grad():  # rebound inside (p.data = x, as ModelPruning does): keep its values
+                            view.copy_(param.data)
+                        unit.keep_alias(index, param.data)
                 unit.hide_again(previous)
                 if writable and not failed:
                     unit.take_writes(full)
@@ -446,6 +467,7 @@ class ShardedModel:
             for unit in self.units:
                 unit.release_without_peers()
             return
+        self.adopt_rebound_data()  # e.g. ModelPruning's permanent weights, set with p.data = ... at the end of fit
         for optimizer in self.optimizers:
             self._unbind_optimizer(optimizer)
         self.optimizers.clear()

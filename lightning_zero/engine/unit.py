@@ -149,6 +149,7 @@ class ShardedUnit:
         self._placeholders = [placeholder_like(p) for p in params]
         self._exposed = True
         self._versions_when_hidden: list[int] = []
+        self._aliases: dict[int, torch.Tensor] = {}  # see ``adopt_rebound_data``
         self._gathering: Pending | None = None  # an all-gather into ``flat`` in flight (prefetch)
         # Whether the sharded gradients last reduced hold no inf/NaN on any rank: True/False when known for
         # every rank alike (set by GradReducer), None when unknown (accumulated onto earlier gradients).
@@ -248,6 +249,56 @@ class ShardedUnit:
                     "`with trainer.strategy.gathered_parameters(module):` (or ShardedModel.gathered_parameters), "
                     "which writes back into the shards, or load values with module.load_state_dict(...)."
                 )
+
+    def adopt_rebound_data(self) -> None:
+        """Take over values that user code gave a parameter by rebinding its ``.data`` (``p.data = x``: what
+        ``torch.nn.utils.prune.remove`` and Lightning's ``ModelPruning`` do), which would otherwise detach it
+        from the unit: the values go into the flat buffer and this rank's master piece, and the parameter
+        points where it should again. Local (no collective); cheap when nothing was rebound."""
+        expected = self._views if self._exposed else self._placeholders
+        for index, (param, want) in enumerate(zip(self.params, expected)):
+            if param.data_ptr() == want.data_ptr() or param.numel() == 0:
+                continue
+            if self._on_master_piece(param, index):
+                continue  # inside an optimizer step (ShardedModel.on_shards)
+            new = param.data
+            if new.shape != want.shape:
+                raise ValueError(
+                    f"parameter {self.param_names[index]!r} was given data of shape {tuple(new.shape)} "
+                    f"(param.data = ...), but it was sharded with shape {tuple(want.shape)}: ZeRO cannot change a "
+                    "parameter's shape during training. Keep the shape, or rebuild the model before fit."
+                )
+            with torch.no_grad():
+                if self._exposed:
+                    want.copy_(new)
+                piece = self.param_shards[index]
+                if piece.numel:
+                    values = new.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
+                    target = self.master[piece.shard_offset : piece.shard_offset + piece.numel]
+                    target.copy_(values)
+                    if self.separate_master and self.shard is not None:  # the compute-dtype shard gathers read
+                        self.shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(target)
+            # Under DDP the rebound parameter trains in the memory it was given, so whoever holds that memory (the
+            # tensor ``x`` of ``p.data = x``) sees it train: ``refresh_aliases`` keeps that true here.
+            self.keep_alias(index, new)
+            param.data = want
+        if not self._exposed:
+            self.record_hidden_versions()
+
+    def keep_alias(self, index: int, memory: torch.Tensor) -> None:
+        """Remember that user code rebound parameter ``index`` to ``memory`` (see ``adopt_rebound_data``)."""
+        self._aliases[index] = memory
+
+    def refresh_aliases(self, values: list[torch.Tensor] | None = None) -> None:
+        """Copy the parameters' current values (``values``, or the parameters themselves when they show them) into
+        the memory user code once rebound them to (see ``adopt_rebound_data``)."""
+        with torch.no_grad():
+            for index, alias in self._aliases.items():
+                alias.copy_(values[index] if values is not None else self.params[index])
+
+    def _on_master_piece(self, param: nn.Parameter, index: int) -> bool:
+        piece = self.shard_params[index]
+        return param.data_ptr() == piece.data_ptr() and param.shape == piece.shape
 
     def _set_param_data(self, tensors: list[torch.Tensor]) -> None:
         for param, data in zip(self.params, tensors):

@@ -310,6 +310,17 @@ class ZeROStrategy(ParallelStrategy):
                 f"'16-mixed')); with precision={precision.precision!r} parameters keep the module's dtype. Remove "
                 "param_dtype or choose a mixed precision."
             )
+        if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
+            # Trainer(sync_batchnorm=True): BatchNorm layers become SyncBatchNorm, as DDPStrategy does when fitting.
+            self.model = self._layer_sync.apply(self.model)
+            if self.root_device.type == "cpu" and any(
+                isinstance(m, torch.nn.SyncBatchNorm) for m in self.model.modules()
+            ):
+                # DDPStrategy refuses this at the same point, with the same words (SyncBatchNorm needs a GPU).
+                raise ValueError(
+                    "SyncBatchNorm layers only work with GPU modules: Trainer(sync_batchnorm=True) converted the "
+                    "BatchNorm layers, but this run is on the CPU. Use accelerator='gpu', or leave sync_batchnorm off."
+                )
         built_on_meta = self._meta_init is not None and has_meta_tensors(self.model)
         with record_meta_init(self.root_device, self._meta_init) if built_on_meta else nullcontext():
             self.model = precision.convert_module(self.model)  # a cast of meta layers is replayed too
@@ -382,6 +393,10 @@ class ZeROStrategy(ParallelStrategy):
         if self._sharded is not None:
             self._sharded.release(gather=not self._failed)
             self._sharded = None
+        module = self._lightning_module
+        if module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING:
+            if self._layer_sync and self.model is not None:
+                self.model = self._layer_sync.revert(self.model)
         self._failed = False
         if isinstance(self._precision_plugin, ZeROPrecision):
             self._precision_plugin.attach(None)

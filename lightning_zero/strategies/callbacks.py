@@ -3,7 +3,9 @@
 [Note: callbacks that need full parameters]
 Lightning's weight-averaging callbacks (``StochasticWeightAveraging``, ``WeightAveraging`` and its
 ``EMAWeightAveraging``) read every parameter of the ``LightningModule`` after steps and write
-averaged values back into them, with plain tensor code (``copy_``, ``_foreach_lerp_``). Under stage
+averaged values back into them, with plain tensor code (``copy_``, ``_foreach_lerp_``);
+``ModelPruning`` computes masks from the weights and rebinds ``param.data`` (``prune.remove``, the
+lottery-ticket reset), which ``gathered_parameters()`` takes over on exit. Under stage
 3, or with a half-precision compute copy, the parameters do not show their master values between
 steps (see [Note: parameters outside their unit's use] in ``engine/unit.py``). The strategy
 therefore brackets each such callback with two small callbacks of its own, inserted into
@@ -24,13 +26,13 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 if TYPE_CHECKING:
     from lightning_zero.strategies.base import ZeROStrategy
 
-FULL_PARAMETER_CALLBACKS: tuple[type[Callback], ...] = (StochasticWeightAveraging, WeightAveraging)
+FULL_PARAMETER_CALLBACKS: tuple[type[Callback], ...] = (StochasticWeightAveraging, WeightAveraging, ModelPruning)
 # The hooks in which these callbacks touch the weights. Not on_load_checkpoint: a load streams into the
 # shards itself, and writing a gathered copy back afterwards would undo it.
 WEIGHT_HOOKS = (
