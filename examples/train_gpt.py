@@ -236,7 +236,7 @@ def build_datasets(
 class GPTLightning(L.LightningModule):
     def __init__(
         self,
-        config: GPTConfig | dict[str, Any],
+        config: GPTConfig,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 20,
@@ -244,7 +244,7 @@ class GPTLightning(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
     ) -> None:
         super().__init__()
-        if isinstance(config, dict):  # from the saved hyper-parameters (load_from_checkpoint)
+        if isinstance(config, dict):  # load_from_checkpoint passes the saved hyper-parameters (a dict)
             config = GPTConfig(**config)
         self.save_hyperparameters(
             {

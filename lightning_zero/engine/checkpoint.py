@@ -100,6 +100,7 @@ def sharded_model_state(model: ShardedModel, mesh: DeviceMesh) -> dict[str, Any]
 
 def sharded_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: int, mesh: DeviceMesh) -> dict[str, Any]:
     """This rank's part of ``optimizer``'s state, ready for ``dcp.save``."""
+    model.units_of(optimizer)  # a clear error for a param group added after setup
     names = param_names(model)
     state: dict[str, Any] = {}
     for shard_param, entry in optimizer.state.items():
@@ -136,6 +137,7 @@ def piece_state_dict(model: ShardedModel) -> dict[str, Any]:
 def piece_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: int) -> dict[str, Any]:
     """``optimizer.state_dict()`` as DDP saves it (per-parameter state, the saved ``param_groups``), with each
     per-element entry as this rank's ``FlatPiece`` of the full-shaped tensor."""
+    model.units_of(optimizer)  # a clear error for a param group added after setup
     state_dict = optimizer.state_dict()
     # state_dict() shares the per-parameter dicts with optimizer.state: copy before replacing entries.
     state_dict["state"] = {idx: dict(entry) for idx, entry in state_dict["state"].items()}

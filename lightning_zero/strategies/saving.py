@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor
 
 from lightning_zero.engine.checkpoint import META_FILE, SHARDS_PREFIX, checkpoint_meta, save_sharded
 from lightning_zero.engine.files import (
@@ -103,8 +102,14 @@ def _size(count: int) -> str:
     return ""
 
 
-def needed_bytes(checkpoint: Any) -> int:
-    """About how many bytes ``checkpoint`` takes on disk (its tensors, counted whole)."""
+def needed_bytes(checkpoint: Any, path: Path) -> int:
+    """About how many bytes ``checkpoint`` takes on disk: its tensors counted whole, or what the checkpoint it
+    replaces takes, whichever is more."""
+    on_disk = 0
+    if path.is_file():
+        on_disk = path.stat().st_size
+    elif path.is_dir():
+        on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
     total, seen, stack = 0, set(), [checkpoint]
     while stack:
         item = stack.pop()
@@ -113,23 +118,21 @@ def needed_bytes(checkpoint: Any) -> int:
         seen.add(id(item))
         if isinstance(item, FlatPiece):
             total += math.prod(item.shape) * item.local.element_size()
-        elif isinstance(item, DTensor):
-            total += item.numel() * item.element_size()
-        elif isinstance(item, torch.Tensor):
+        elif isinstance(item, torch.Tensor):  # a DTensor piece counts as its whole tensor
             total += item.numel() * item.element_size()
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
-    return total
+    return max(total, on_disk)
 
 
 def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
     """Write ``checkpoint`` (with ``FlatPiece``s) as one ordinary file at ``path``, all ranks in parallel."""
     rank0 = strategy.is_global_zero
-    tmp = temporary_path(path, strategy.broadcast(uuid.uuid4().hex))
+    token, needed = strategy.broadcast((uuid.uuid4().hex, needed_bytes(checkpoint, path) if rank0 else 0))
+    tmp = temporary_path(path, token)
     pieces = list(pieces_in(checkpoint))
-    needed = needed_bytes(checkpoint)
     crash_point("start", path)
     offsets: dict[str, int] | None = None
     error: BaseException | None = None
@@ -201,10 +204,11 @@ def save_sharded_directory(strategy: ZeROStrategy, checkpoint: dict[str, Any], p
     # Built on every rank (it is cheap), so that a problem raises everywhere instead of stranding the others.
     optimizers = strategy.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
     zero_meta = checkpoint_meta(strategy.sharded_model, optimizers)
-    token, in_place = strategy.broadcast((uuid.uuid4().hex, _commits_in_place(path) if rank0 else False))
+    token, in_place, needed = strategy.broadcast(
+        (uuid.uuid4().hex, _commits_in_place(path), needed_bytes(checkpoint, path)) if rank0 else None
+    )
     root = path if in_place else temporary_path(path, token)
     shards = root / f"{SHARDS_PREFIX}{token}"
-    needed = needed_bytes(checkpoint)
     crash_point("start", path)
     state: dict[str, Any] = dict(checkpoint["state_dict"])
     for optimizer_state in checkpoint.get("optimizer_states", []):
