@@ -358,6 +358,29 @@ def test_a_save_killed_at_any_point_resumes_from_the_newest_complete_checkpoint(
     assert resumed_at == {f"{p}/{f}": e * STEPS_PER_EPOCH for f, p, e in KILLS}
 
 
+def _resume_from_a_linked_last(rank: int, world_size: int, root: str) -> None:
+    for checkpoint_format in ("full", "sharded"):
+        directory = Path(root, checkpoint_format)
+        for epochs, ckpt_path in ((1, None), (2, "last")):
+            torch.manual_seed(epochs)
+            model = _model()
+            callback = ModelCheckpoint(dirpath=directory, save_last="link")  # last.ckpt: a symlink
+            trainer = quiet_trainer(
+                strategy=_strategy(checkpoint_format),
+                devices=world_size,
+                max_epochs=epochs,
+                enable_checkpointing=True,
+                callbacks=[callback],
+            )
+            trainer.fit(model, ckpt_path=ckpt_path)
+        assert (directory / "last.ckpt").is_symlink()
+        assert len(model.losses) == STEPS_PER_EPOCH  # resumed through the link, one epoch left
+
+
+def test_last_checkpoint_as_a_symlink_resumes(tmp_path: Path) -> None:
+    spawn(_resume_from_a_linked_last, world_size=2, timeout=300, root=str(tmp_path))
+
+
 # ---------------------------------------------------------------------- saves that fail
 class _SaveLast(Callback):
     """``last.ckpt`` at the end of every epoch: each save after the first replaces a complete checkpoint."""

@@ -85,7 +85,7 @@ def read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
                 "lightning_zero section); convert it to a full checkpoint with that tool first"
             )
         return meta
-    checkpoint = load_torch_file(path, weights_only)
+    checkpoint = load_torch_file(path.resolve(), weights_only)  # the path may be a link (save_last="link")
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise CorruptCheckpointError(
             f"{str(path)!r} is not a Lightning checkpoint (it has no 'state_dict' entry). A plain state dict "
