@@ -75,6 +75,45 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+# ---------------------------------------------------------------------- the full file, written in pieces
+def test_pieces_written_by_two_ranks_make_the_file_torch_save_would_write(tmp_path: Path) -> None:
+    """The writer on one process, playing both ranks: a 3x4 weight split 7/5 elements, tied under two names,
+    an optimizer state split the same way, a real buffer and a step counter."""
+    from lightning_zero.engine.torch_file import FlatPiece, write_pieces, write_skeleton
+    from lightning_zero.strategies.saving import _check_coverage
+
+    weight, state = torch.randn(3, 4), torch.randn(3, 4)
+    flat_w, flat_s = weight.reshape(-1), state.reshape(-1)
+
+    def rank(lo: int, hi: int) -> tuple[FlatPiece, FlatPiece]:
+        return (
+            FlatPiece("model/w", weight.shape, weight.dtype, flat_w[lo:hi].clone(), lo),
+            FlatPiece("optim/0/0/exp_avg", state.shape, state.dtype, flat_s[lo:hi].clone(), lo),
+        )
+
+    (w0, s0), (w1, s1) = rank(0, 7), rank(7, 12)
+    checkpoint = {
+        "state_dict": {"w": w0, "tied": w0, "buffer": torch.arange(3.0)},
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(5.0), "exp_avg": s0}}, "param_groups": []}],
+        "epoch": 2,
+    }
+    path = tmp_path / "parallel.ckpt"
+    offsets = write_skeleton(checkpoint, path)
+    write_pieces(path, [w0, s0], offsets)
+    write_pieces(path, [w1, s1], offsets)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], weight) and torch.equal(loaded["state_dict"]["tied"], weight)
+    assert loaded["state_dict"]["w"].data_ptr() == loaded["state_dict"]["tied"].data_ptr()  # one storage
+    assert torch.equal(loaded["state_dict"]["buffer"], torch.arange(3.0)) and loaded["epoch"] == 2
+    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["exp_avg"], state)
+    assert loaded["optimizer_states"][0]["state"][0]["step"] == 5
+    _check_coverage([w0, s0], {"model/w": 12, "optim/0/0/exp_avg": 12})
+    with pytest.raises(RuntimeError, match=r"the ranks wrote 7 of the 12 elements of 'model/w'"):
+        _check_coverage([w0, s0], {"model/w": 7, "optim/0/0/exp_avg": 12})  # rank 1's piece missing
+    with pytest.raises(TypeError, match="cannot be pickled on its own"):
+        pickle.dumps(w0)
+
+
 # ---------------------------------------------------------------------- hostile and damaged checkpoints
 def _shards(checkpoint: Path) -> Path:
     (shards,) = checkpoint.glob("shards-*")

@@ -94,12 +94,14 @@ def _raise_if_failed(path: Path, reports: list[Report], needed: int) -> None:
     raise CheckpointSaveError(text)
 
 
-def _size(count: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if count < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
-        count /= 1024  # type: ignore[assignment]
-    return ""
+def _size(count: float) -> str:
+    if count < 1024:
+        return f"{count:.0f} bytes"
+    for unit in ("KiB", "MiB"):
+        count /= 1024
+        if count < 1024:
+            return f"{count:.1f} {unit}"
+    return f"{count / 1024:.1f} GiB"
 
 
 def needed_bytes(checkpoint: Any, path: Path) -> int:
@@ -146,18 +148,15 @@ def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) ->
     try:
         _raise_if_failed(path, [report], needed)
         assert offsets is not None
-        written: dict[str, int] = {}
         try:
             write_pieces(tmp, pieces, offsets)
-            written = {p.key: p.local.numel() for p in pieces}
         except (Exception, CheckpointException) as err:
             error = err
-        reports = _gather(strategy, (written, _describe(error, strategy.global_rank)))
-        _raise_if_failed(path, [r for _, r in reports], needed)
-        error = None
+        _raise_if_failed(path, _gather(strategy, _describe(error, strategy.global_rank)), needed)
+        written = _elements_written(strategy, pieces, sorted(offsets))
         if rank0:
             try:
-                _check_coverage(pieces, [w for w, _ in reports])
+                _check_coverage(pieces, written)
                 crash_point("before-commit", path)
                 commit(tmp, path)
                 crash_point("after-commit", path)
@@ -181,9 +180,21 @@ def _tidy(cleanup: Any) -> None:
         warnings.warn(f"the checkpoint was saved, but deleting the data it replaced failed: {err}", stacklevel=3)
 
 
-def _check_coverage(pieces: list[FlatPiece], written: list[dict[str, int]]) -> None:
+def _elements_written(strategy: ZeROStrategy, pieces: list[FlatPiece], keys: list[str]) -> dict[str, int]:
+    """How many elements of each tensor all ranks wrote together (one all-reduce of one number per tensor)."""
+    position = {key: i for i, key in enumerate(keys)}
+    counts = [0] * len(keys)
     for piece in pieces:
-        total = sum(w.get(piece.key, 0) for w in written)
+        counts[position[piece.key]] += piece.local.numel()
+    total = torch.tensor(counts, dtype=torch.int64, device=strategy.root_device)
+    if dist.is_available() and dist.is_initialized() and strategy.world_size > 1:
+        dist.all_reduce(total)
+    return dict(zip(keys, total.tolist()))
+
+
+def _check_coverage(pieces: list[FlatPiece], written: dict[str, int]) -> None:
+    for piece in pieces:
+        total = written.get(piece.key, 0)
         if total != math.prod(piece.shape):
             raise RuntimeError(
                 f"the ranks wrote {total} of the {math.prod(piece.shape)} elements of {piece.key!r}: the ranks' "
