@@ -165,10 +165,11 @@ class SafeFileSystemReader(FileSystemReader):
     def _read_checked_metadata(self) -> Metadata:
         directory = Path(self.path)
         file = regular_file(directory, ".metadata", "checkpoint index")
+        with open_regular(file) as stream:
+            data = stream.read()  # unpickled from memory: a length in the pickle cannot reach past the file
         try:
-            with open_regular(file) as stream:
-                metadata = _MetadataUnpickler(stream).load()
-        except (EOFError, pickle.UnpicklingError, AttributeError, ValueError, TypeError, IndexError) as err:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as err:  # whatever a damaged pickle raises, nothing was loaded
             raise CorruptCheckpointError(f"{str(file)!r} is damaged or not checkpoint metadata: {err}") from err
         if not isinstance(metadata, Metadata):
             raise CorruptCheckpointError(f"{str(file)!r} is not checkpoint metadata")
