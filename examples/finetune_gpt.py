@@ -2,14 +2,16 @@
 streamed into the shards when fitting starts, the embeddings and lower blocks frozen, the rest
 trained on a new slice of text.
 
-    python examples/train_gpt.py --checkpoint --output runs/pretrain      # writes a sharded checkpoint
-    python -m lightning_zero consolidate runs/pretrain/checkpoints/<name>.ckpt pretrained.ckpt
-    python examples/finetune_gpt.py --pretrained pretrained.ckpt --freeze-layers 2
+    python examples/train_gpt.py --checkpoint --output runs/pretrain
+    # ... prints "checkpoint:      runs/pretrain/checkpoints/final.ckpt"
+    python examples/finetune_gpt.py --pretrained runs/pretrain/checkpoints/final.ckpt --freeze-layers 2
 
-``--pretrained`` takes a full Lightning ``.ckpt`` (as ``DDPStrategy`` or
-``lightning_zero.consolidate_checkpoint`` writes it), a ``.safetensors`` file, or a plain
-``torch.save``-d state dict of the GPT. Without it, the run starts from a random init, which is
-still a valid (if pointless) demonstration of freezing under sharding.
+``--pretrained`` takes a full Lightning ``.ckpt`` (what the ZeRO strategies and ``DDPStrategy`` write by
+default, or ``python -m lightning_zero consolidate`` makes of a sharded checkpoint directory), a
+``.safetensors`` file, or a plain ``torch.save``-d state dict of the GPT. The model flags
+(``--n-layer``, ``--n-embd``, ``--block-size``, ...) must match the pretrained model's; both scripts
+have the same defaults. Without ``--pretrained`` the run starts from a random init, which is still a
+valid (if pointless) demonstration of freezing under sharding.
 
 Frozen parameters get neither gradients nor optimizer state under every ZeRO stage, so freezing
 most of a large model is also how to fine-tune it in little memory.

@@ -244,6 +244,8 @@ class GPTLightning(L.LightningModule):
         betas: tuple[float, float] = (0.9, 0.95),
     ) -> None:
         super().__init__()
+        if isinstance(config, dict):  # load_from_checkpoint passes the saved hyper-parameters (a dict)
+            config = GPTConfig(**config)
         self.save_hyperparameters(
             {
                 "config": asdict(config),
@@ -433,7 +435,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-check-interval", type=int, default=50, help="validate every N training steps")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="plain-text training corpus")
     p.add_argument("--output", type=Path, default=Path("runs/train_gpt"), help="Trainer default_root_dir")
-    p.add_argument("--checkpoint", action="store_true", help="save a checkpoint after the last step")
+    p.add_argument(
+        "--checkpoint", action="store_true", help="save OUTPUT/checkpoints/final.ckpt after the last step (printed)"
+    )
     p.add_argument("--sample-chars", type=int, default=100)
     p.add_argument("--prompt", default="The Fiend ")
     args = p.parse_args(argv)
@@ -469,7 +473,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     sharding = ShardingSummary()
     callbacks: list[Callback] = [monitor, sharding]
     if args.checkpoint:
-        callbacks.append(ModelCheckpoint(every_n_train_steps=args.max_steps, save_top_k=-1))
+        # A fixed place and name, printed at the end (Lightning would add "-v1" if it exists already).
+        # Under the ZeRO strategies it is one ordinary .ckpt file, written by every rank in parallel.
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=args.output / "checkpoints", filename="final", every_n_train_steps=args.max_steps, save_top_k=-1
+            )
+        )
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
@@ -523,6 +533,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     for line in sharding.lines:
         print(line)
     print(f"sample:\n{sample}\n")
+    checkpoint = trainer.checkpoint_callback.best_model_path if args.checkpoint else None  # type: ignore[union-attr]
+    if checkpoint:
+        print(f"checkpoint:      {checkpoint}")
+        print(f"                 (load it with GPTLightning.load_from_checkpoint({checkpoint!r}),")
+        print(f"                 or fine-tune: python examples/finetune_gpt.py --pretrained {checkpoint})")
 
     return {
         "first_train_loss": monitor.first_loss,
@@ -532,6 +547,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         "tokens_per_s": tokens_per_s,
         "steps": trainer.global_step,
         "sample": sample,
+        "checkpoint": checkpoint,
     }
 
 

@@ -19,6 +19,7 @@ import argparse
 import importlib
 import json
 import os
+import pickle
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -70,7 +71,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _estimate(parser, args)
     if args.command == "check-parity":
         return _check_parity(parser, args)
-    checkpoint = consolidate(args.checkpoint, args.output, weights_only=False if args.unsafe_pickle else None)
+    return _consolidate(args)
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    """Exit status 0 when written, 2 (with one line on stderr, no traceback) when the input cannot be used."""
+    from lightning_zero.engine.safe_read import CorruptCheckpointError
+
+    try:
+        checkpoint = consolidate(args.checkpoint, args.output, weights_only=False if args.unsafe_pickle else None)
+    except pickle.UnpicklingError as error:  # UnsafeCheckpointError: --unsafe-pickle is the way out
+        print(f"consolidate: {error} (on this command line: --unsafe-pickle)", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, NotADirectoryError, PermissionError, CorruptCheckpointError) as error:
+        print(f"consolidate: {error}", file=sys.stderr)
+        return 2
     params = sum(v.numel() for v in checkpoint["state_dict"].values() if hasattr(v, "numel"))
     print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors, {params:,} elements", file=sys.stderr)
     return 0

@@ -210,8 +210,8 @@ def test_strategy_help_lists_its_documented_arguments(capsys: pytest.CaptureFixt
     for text in (
         "Which modules form a *unit*",
         "type: Optional[Sequence[type[Module] | str]], default: null",
-        "--trainer.strategy.checkpoint_format {sharded,full}",
-        "type: Literal['sharded', 'full'], default: sharded",
+        "--trainer.strategy.checkpoint_format {full,sharded}",
+        "type: Literal['full', 'sharded'], default: full",
         "How long a collective may wait for the other ranks before failing.",
         "default: 0:30:00",
         "--trainer.strategy.start_method {popen,spawn,fork,forkserver}",
@@ -225,6 +225,6 @@ def test_zero1_config_names_the_strategy_by_its_registered_string() -> None:
     """``strategy: zero1`` resolves through the registry; ``run=False`` builds everything without fitting."""
     cli = _main(["--config", str(CONFIGS / "zero1.yaml"), "--trainer.logger=false"], run=False)
     assert type(cli.trainer.strategy) is ZeRO1Strategy
-    assert cli.trainer.strategy.checkpoint_format == "sharded" and cli.trainer.strategy.unit_modules is None
+    assert cli.trainer.strategy.checkpoint_format == "full" and cli.trainer.strategy.unit_modules is None
     assert cli.trainer.max_steps == 60 and cli.model.hparams.max_steps == 60
     assert cli.model.config.vocab_size == cli.datamodule.vocab_size

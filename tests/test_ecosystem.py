@@ -23,10 +23,11 @@ from tests.models import VOCAB, ParityNet, quiet_trainer
 def test_registry_lists_every_stage_and_preset_with_a_description() -> None:
     for stage, cls in ((1, ZeRO1Strategy), (2, ZeRO2Strategy), (3, ZeRO3Strategy)):
         for suffix, attribute, value in (
-            ("", "checkpoint_format", "sharded"),
+            ("", "checkpoint_format", "full"),
             ("_spawn", "_start_method", "spawn"),
             ("_fork", "_start_method", "fork"),
             ("_full_checkpoint", "checkpoint_format", "full"),
+            ("_sharded_checkpoint", "checkpoint_format", "sharded"),
             ("_stats", "log_stats", True),
         ):
             name = f"zero{stage}{suffix}"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -88,3 +91,44 @@ def test_train_gpt_example_runs_and_matches_ddp() -> None:
     assert zero3["train_loss"] < zero3["first_train_loss"]
     for key in ("first_train_loss", "train_loss", "val_loss", "sample"):
         assert zero3[key] == ddp[key], key
+
+
+def _pretrain_then_finetune(rank: int, world_size: int, root: str) -> str | None:
+    """``train_gpt.py --checkpoint`` under zero3 prints where it saved; ``finetune_gpt.py --pretrained`` takes
+    that path as printed (the two commands of finetune_gpt.py's docstring)."""
+    train_gpt = load_example("train_gpt")
+    printed = io.StringIO()
+    args = [*TINY, "--max-steps", "4", "--val-check-interval", "4", "--sample-chars", "5", "--devices", str(world_size)]
+    with contextlib.redirect_stdout(printed):
+        summary = train_gpt.main([*args, "--strategy", "zero3", "--checkpoint", "--output", f"{root}/pretrain"])
+    path = f"{root}/pretrain/checkpoints/final.ckpt"
+    if rank == 0:
+        assert summary is not None and summary["checkpoint"] == path
+        assert f"checkpoint:      {path}\n" in printed.getvalue(), printed.getvalue()[-500:]
+    finetune = load_example("finetune_gpt")
+    common = [*TINY, "--max-steps", "2", "--freeze-layers", "1", "--devices", str(world_size), "--strategy", "zero3"]
+    result = finetune.main([*common, "--pretrained", path, "--output", f"{root}/finetune"])
+    if rank != 0:
+        return None
+    pretrained = torch.load(path, weights_only=True)["state_dict"]
+    assert result is not None and all(
+        torch.equal(result["state"][key], pretrained[f"model.{key}"])
+        for key in result["state"]
+        if key.startswith(("wte.", "wpe.", "h.0."))  # frozen: still the pretrained weights
+    )
+    return path
+
+
+def test_train_gpt_says_where_it_saved_and_finetune_and_load_from_checkpoint_read_it() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        path = spawn(_pretrain_then_finetune, world_size=2, root=root)[0]
+        code = (
+            "import sys, torch; sys.path.insert(0, sys.argv[1]); from train_gpt import GPTLightning; "
+            "module = GPTLightning.load_from_checkpoint(sys.argv[2]); "
+            "saved = torch.load(sys.argv[2], weights_only=True)['state_dict']; "
+            "assert all(torch.equal(v, saved[k]) for k, v in module.state_dict().items()); print(len(saved))"
+        )
+        fresh = subprocess.run(
+            [sys.executable, "-c", code, str(EXAMPLES), path], capture_output=True, text=True, timeout=120
+        )
+    assert fresh.returncode == 0 and int(fresh.stdout) > 0, fresh.stderr[-3000:]

@@ -14,31 +14,49 @@ the names of tied aliases, Lightning's loops and callbacks) goes into ``meta.pt`
 Saving moves shards only; nothing gathers a full parameter. Loading reads each rank's pieces
 straight into its shards; under stages 1 and 2 one all-gather per unit then refreshes the full
 parameters every rank keeps anyway.
+
+[Note: sharded layout]
+A sharded checkpoint (format 2) is a directory holding ``meta.pt`` and one ``shards-<token>``
+subdirectory with DCP's files (``.metadata``, ``__<rank>_0.distcp``). ``<token>`` is the save's
+identity, chosen by rank 0 and written three times: in the subdirectory's name, in ``meta.pt``
+(``lightning_zero.save_id``) and, as a small tensor ``lightning_zero/save/<rank>``, into every rank's
+``.distcp`` file. ``meta.pt`` is the commit record: a save writes a new subdirectory, then replaces
+``meta.pt`` (one atomic rename), then deletes the other subdirectories (see [Note: crash-safe saves]
+in ``engine/files.py``). A loader reads only the subdirectory ``meta.pt`` names and refuses any file
+whose identity differs (a shard copied from another save or run). Format 1 (DCP's files directly in
+the directory, no identity) still loads, with a warning.
+
+The same pieces, described as ``FlatPiece``s with the full shapes instead of DTensors, make the
+default ``"full"`` format (one ordinary ``torch.save`` file, written by all ranks in parallel, see
+[Note: parallel full file] in ``engine/torch_file.py``).
 """
 
 from __future__ import annotations
 
 import math
-import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.optim import Optimizer
 
 from lightning_zero.engine.optimizer import is_param_shaped
+from lightning_zero.engine.safe_read import SAVE_ID_PREFIX, CorruptCheckpointError, SafeFileSystemReader
 from lightning_zero.engine.sharded_model import ShardedModel
+from lightning_zero.engine.torch_file import FlatPiece
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 META_FILE = "meta.pt"
 MODEL_PREFIX = "model/"
+SHARDS_PREFIX = "shards-"
 
 
 class CheckpointMismatchError(ValueError):
@@ -82,6 +100,7 @@ def sharded_model_state(model: ShardedModel, mesh: DeviceMesh) -> dict[str, Any]
 
 def sharded_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: int, mesh: DeviceMesh) -> dict[str, Any]:
     """This rank's part of ``optimizer``'s state, ready for ``dcp.save``."""
+    model.units_of(optimizer)  # a clear error for a param group added after setup
     names = param_names(model)
     state: dict[str, Any] = {}
     for held, entry in optimizer.state.items():  # keyed by the module's parameters
@@ -94,6 +113,44 @@ def sharded_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: in
             elif isinstance(value, torch.Tensor):
                 state[_optim_key(index, names[param], key)] = value
     return state
+
+
+def piece_state_dict(model: ShardedModel) -> dict[str, Any]:
+    """``model.module.state_dict()`` as DDP returns it (same keys, order and tied names), with each parameter
+    as this rank's ``FlatPiece`` of it (views of the live shards, the same piece under every tied name)."""
+    pieces = {}
+    for unit, index, param, piece in _param_pieces(model):
+        local = unit.master[piece.shard_offset : piece.shard_offset + piece.numel]
+        key = MODEL_PREFIX + unit.param_names[index]
+        pieces[id(param)] = FlatPiece(key, param.shape, local.dtype, local, piece.param_offset)
+    state = model.module.state_dict(keep_vars=True)
+    result = state.copy()
+    if hasattr(state, "_metadata"):  # module versions, which load_state_dict reads (as DDP saves them)
+        result._metadata = state._metadata  # type: ignore[attr-defined]
+    for key, value in state.items():
+        if id(value) in pieces:
+            result[key] = pieces[id(value)]
+        elif isinstance(value, torch.Tensor):
+            result[key] = value.detach()
+    return result
+
+
+def piece_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: int) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as DDP saves it (per-parameter state, the saved ``param_groups``), with each
+    per-element entry as this rank's ``FlatPiece`` of the full-shaped tensor."""
+    model.units_of(optimizer)  # a clear error for a param group added after setup
+    state_dict = optimizer.state_dict()
+    # state_dict() shares the per-parameter dicts with optimizer.state: copy before replacing entries.
+    state_dict["state"] = {idx: dict(entry) for idx, entry in state_dict["state"].items()}
+    shard_params = [p for group in optimizer.param_groups for p in group["params"]]
+    for idx, entry in state_dict["state"].items():
+        shard_param = shard_params[idx]
+        param, piece = model._param_of[shard_param]
+        for key, value in entry.items():
+            if is_param_shaped(key, value, shard_param):
+                name = f"optim/{index}/{idx}/{key}"
+                entry[key] = FlatPiece(name, param.shape, value.dtype, value, piece.param_offset)
+    return state_dict
 
 
 def checkpoint_meta(model: ShardedModel, optimizers: list[Optimizer]) -> dict[str, Any]:
@@ -126,89 +183,44 @@ def checkpoint_meta(model: ShardedModel, optimizers: list[Optimizer]) -> dict[st
     }
 
 
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint's files are missing, truncated or not what a checkpoint holds; nothing was loaded."""
+def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int) -> None:
+    """Every rank writes its pieces of ``state``, and the save's identity, into ``directory`` (a collective)."""
+    identity = torch.tensor(list(save_id.encode()), dtype=torch.uint8)
+    dcp.save({**state, f"{SAVE_ID_PREFIX}{rank}": identity}, storage_writer=dcp.FileSystemWriter(directory))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle: rebuild only the plain records it is made of, never other code."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module == "torch.distributed.checkpoint.metadata"
-            or (module, name) in _ALLOWED_CLASSES
-            or (module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)))
+def shard_directory(path: Path, zero_meta: dict[str, Any]) -> tuple[Path, str | None]:
+    """The directory holding DCP's files of the checkpoint at ``path``, and the save's identity."""
+    version = zero_meta.get("format_version")
+    if version == 1:
+        warnings.warn(
+            f"{str(path)!r} was written by an older lightning_zero (checkpoint format 1), which records no "
+            "save identity: its shard files cannot be checked to belong together",
+            stacklevel=3,
         )
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"the checkpoint's metadata asks for {module}.{name}, which checkpoint metadata never needs; "
-                "refusing to run it (the file may be tampered with)"
-            )
-        return super().find_class(module, name)
+        return path, None
+    if version != FORMAT_VERSION:
+        raise CorruptCheckpointError(
+            f"{str(path)!r} has checkpoint format {version!r}; this lightning_zero reads formats 1 and "
+            f"{FORMAT_VERSION}: upgrade lightning_zero"
+        )
+    save_id = str(zero_meta.get("save_id", ""))
+    if not save_id.isalnum():
+        raise CorruptCheckpointError(f"the meta.pt of {str(path)!r} names no valid save identity")
+    shards = path / f"{SHARDS_PREFIX}{save_id}"
+    if shards.is_symlink() or not shards.is_dir():
+        raise CorruptCheckpointError(
+            f"{str(shards)!r}, which {str(path / META_FILE)!r} names, is missing or not a directory: "
+            "the checkpoint is incomplete"
+        )
+    return shards, save_id
 
 
-_ALLOWED_CLASSES = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, with the metadata read by ``_MetadataUnpickler`` and the files it points to
-    checked before anything is loaded: plain file names inside the directory, present, long enough."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        try:
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = _MetadataUnpickler(stream).load()
-        except FileNotFoundError as err:
-            raise CorruptCheckpointError(
-                f"{str(self.path)!r} has no {Path(path).name}: not a complete checkpoint"
-            ) from err
-        except (EOFError, pickle.UnpicklingError, AttributeError, ValueError) as err:
-            raise CorruptCheckpointError(f"{str(path)!r} is damaged or not checkpoint metadata: {err}") from err
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        _check_files(Path(self.path), metadata)
-        return metadata
-
-
-def _check_files(directory: Path, metadata: Metadata) -> None:
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        name = str(info.relative_path)
-        if not name or Path(name).name != name or name in (".", ".."):
-            raise CorruptCheckpointError(
-                f"the checkpoint in {str(directory)!r} points to {name!r}, outside its directory: refusing to read it"
-            )
-        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
-    for name, size in needed.items():
-        file = directory / name
-        if not file.is_file():
-            raise CorruptCheckpointError(f"{str(file)!r} is missing: the checkpoint is incomplete")
-        if file.stat().st_size < size:
-            raise CorruptCheckpointError(
-                f"{str(file)!r} is truncated ({file.stat().st_size} bytes, {size} needed): the checkpoint is incomplete"
-            )
-
-
-def _tensor_keys_only(keys: Any, saved: dict[str, Any]) -> None:
-    """Refuse to read a requested entry that the metadata describes as pickled bytes (DCP would unpickle it)."""
-    for key in keys:
-        if key in saved and not isinstance(saved[key], TensorStorageMetadata):
-            raise CorruptCheckpointError(f"checkpoint entry {key!r} should be a tensor but is stored as pickled bytes")
-
-
-def save_sharded(state: dict[str, Any], directory: Path) -> None:
-    """Every rank writes its pieces of ``state`` into ``directory`` (a collective)."""
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
+def _dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, **kwargs: Any) -> None:
+    try:
+        dcp.load(state, storage_reader=reader, **kwargs)
+    except CheckpointException as err:
+        raise CorruptCheckpointError(f"{str(reader.path)!r} could not be read, nothing was loaded: {err}") from err
 
 
 def load_sharded(
@@ -221,7 +233,8 @@ def load_sharded(
 ) -> None:
     """Load a sharded checkpoint into ``model``'s shards and ``optimizers`` (a collective), whatever
     world size, stage or unit policy wrote it."""
-    reader = SafeFileSystemReader(directory)
+    shards, save_id = shard_directory(directory, zero_meta)
+    reader = SafeFileSystemReader(shards, save_id)
     saved = reader.read_metadata().state_dict_metadata
     _check_names(model, zero_meta, saved, strict)
     target = {k: v for k, v in sharded_model_state(model, mesh).items() if k in saved}
@@ -230,8 +243,7 @@ def load_sharded(
         wanted = _optimizer_target(model, optimizer, index, saved, mesh)
         optimizer_targets.append(wanted)
         target.update({k: v for k, (v, _) in wanted.items() if v is not None})
-    _tensor_keys_only(target, saved)
-    dcp.load(target, storage_reader=reader)
+    _dcp_load(target, reader)
     for unit in model.units:
         unit.gather_updated_shards()
     if zero_meta["extra_state"]:  # modules' get_extra_state(): restored through their set_extra_state()
@@ -337,13 +349,15 @@ def consolidate_state(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
             "lightning_zero section); convert it to a full checkpoint with that tool first"
         )
     zero_meta = meta["lightning_zero"]
-    saved = SafeFileSystemReader(directory).read_metadata().state_dict_metadata
+    shards, save_id = shard_directory(directory, zero_meta)
+    reader = SafeFileSystemReader(shards, save_id)
+    saved = reader.read_metadata().state_dict_metadata  # checked: every size is backed by stored bytes
     full = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in saved.items()
-        if isinstance(m, TensorStorageMetadata)
+        if isinstance(m, TensorStorageMetadata) and not k.startswith(SAVE_ID_PREFIX)
     }
-    dcp.load(full, storage_reader=SafeFileSystemReader(directory), no_dist=True)
+    _dcp_load(full, reader, no_dist=True)
     shapes = zero_meta["params"]
     state_dict: dict[str, Any] = {}
     for key in zero_meta["state_dict_keys"]:

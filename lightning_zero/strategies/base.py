@@ -49,9 +49,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.engine import Comm, CommStats, ShardedModel, module_class_policy, owns_parameters
-from lightning_zero.engine.checkpoint import sharded_model_state, sharded_optimizer_state
+from lightning_zero.engine.checkpoint import (
+    piece_optimizer_state,
+    piece_state_dict,
+    sharded_model_state,
+    sharded_optimizer_state,
+)
 from lightning_zero.engine.comm import CollectiveChecks
-from lightning_zero.engine.files import find_checkpoint, remove
+from lightning_zero.engine.files import find_checkpoint, remove_checkpoint
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.strategies import checkpointing
@@ -86,11 +91,12 @@ class ZeROStrategy(ParallelStrategy):
             each training step, as ``DDPStrategy`` does by default.
         process_group_backend: ``"gloo"``, ``"nccl"``, ... Default: NCCL on CUDA, gloo on CPU.
         timeout: How long a collective may wait for the other ranks before failing.
-        checkpoint_format: ``"sharded"`` (default): ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write a
-            directory in which every rank saves its own shards in parallel (no full gather); while
-            sharded, ``lightning_module_state_dict()`` returns those shards. ``"full"``: one ordinary
-            ``.ckpt`` file with the full state, exactly what ``DDPStrategy`` writes. Both load at
-            any world size and under any stage; see ``docs/checkpoints.md``.
+        checkpoint_format: ``"full"`` (default): ``trainer.save_checkpoint`` / ``ModelCheckpoint`` write one
+            ordinary ``.ckpt`` file, exactly what ``DDPStrategy`` writes (``load_from_checkpoint``
+            reads it), into which every rank writes its own shards in parallel (no gather).
+            ``"sharded"``: a directory with one file of shards per rank (``torch.distributed.checkpoint``).
+            While sharded, ``lightning_module_state_dict()`` returns this rank's pieces. Both load
+            at any world size and under any stage; see ``docs/checkpoints.md``.
         log_stats: Log, through the Trainer's loggers, after every optimizer step: bytes sent and seconds
             spent per kind of collective (this rank), the longest time any rank spent in collectives,
             and this rank's model-state bytes (parameters, gathered parameters, gradients, optimizer
@@ -146,7 +152,7 @@ class ZeROStrategy(ParallelStrategy):
         broadcast_buffers: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta = default_pg_timeout,
-        checkpoint_format: CheckpointFormat = "sharded",
+        checkpoint_format: CheckpointFormat = "full",
         log_stats: bool = False,
         nonfinite_grads: NonFinitePolicy = "raise",
         collective_checks: CollectiveChecks = "auto",
@@ -521,6 +527,11 @@ class ZeROStrategy(ParallelStrategy):
         return self._sharded is not None and self.checkpoint_format == "sharded"
 
     @property
+    def writes_parallel_checkpoints(self) -> bool:
+        """Whether ``save_checkpoint`` writes one full file from every rank now (sharded model, ``"full"``)."""
+        return self._sharded is not None and self.checkpoint_format == "full"
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         """A 1-D mesh over all ranks, for ``torch.distributed.checkpoint``."""
         if self._mesh is None:
@@ -559,11 +570,14 @@ class ZeROStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """This rank's shards with ``checkpoint_format="sharded"`` (what a sharded checkpoint saves), the
-        full state dict with ``"full"`` or when not sharded; a collective: call on all ranks."""
-        if self._sharded is not None and self.writes_sharded_checkpoints:
+        """While sharded, this rank's pieces of the parameters, as the checkpoint writer takes them (DTensors
+        with ``"sharded"``, ``FlatPiece``s with ``"full"``); the full state dict otherwise. For full tensors
+        while sharded, call ``full_state_dict()``."""
+        if self._sharded is None:
+            return self.full_state_dict()
+        if self.writes_sharded_checkpoints:
             return sharded_model_state(self._sharded, self.device_mesh)
-        return self.full_state_dict()
+        return piece_state_dict(self._sharded)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -573,15 +587,15 @@ class ZeROStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's shards of the optimizer state (``"sharded"``) or the full, per-parameter state that
-        ``DDPStrategy`` saves (``"full"``); call on all ranks."""
+        """This rank's pieces of the optimizer state, as the checkpoint writer takes them: DTensors
+        (``"sharded"``), or the per-parameter state ``DDPStrategy`` saves with ``FlatPiece``s (``"full"``)."""
         if self._sharded is None:
             return super().optimizer_state(optimizer)
         raw = _unwrap(optimizer)
+        index = self.unwrapped_optimizers.index(raw)
         if self.checkpoint_format == "sharded":
-            index = self.unwrapped_optimizers.index(raw)
             return sharded_optimizer_state(self._sharded, raw, index, self.device_mesh)
-        return self._sharded.full_optimizer_state_dict(raw)
+        return piece_optimizer_state(self._sharded, raw, index)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -606,7 +620,7 @@ class ZeROStrategy(ParallelStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            remove(Path(filepath))
+            remove_checkpoint(Path(filepath))
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override

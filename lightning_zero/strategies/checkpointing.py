@@ -2,45 +2,51 @@
 
 Two formats (``checkpoint_format=``):
 
-- ``"sharded"`` (default): a directory. Every rank writes its own shards of the parameters and
-  optimizer states in parallel with ``torch.distributed.checkpoint`` (see [Note: checkpoint
-  layout] in ``engine/checkpoint.py``); rank 0 adds ``meta.pt`` with Lightning's part (loops,
-  callbacks, LR schedulers, hyper-parameters, precision state) and what the shards need to be
-  reassembled. No rank ever holds a full parameter.
-- ``"full"``: one ordinary ``.ckpt`` file, exactly what ``DDPStrategy`` writes (full state dict,
-  full per-parameter optimizer states), loadable without this package.
+- ``"full"`` (default): one ordinary ``.ckpt`` file, exactly what ``DDPStrategy`` writes (full state
+  dict, full per-parameter optimizer states), loadable without this package, e.g. by
+  ``LightningModule.load_from_checkpoint``. Every rank writes its own shards into it, in parallel;
+  nothing is gathered (see [Note: parallel full file] in ``engine/torch_file.py``).
+- ``"sharded"``: a directory. Every rank writes its own file of shards with
+  ``torch.distributed.checkpoint`` (see [Note: checkpoint layout] and [Note: sharded layout] in
+  ``engine/checkpoint.py``); rank 0 adds ``meta.pt`` with Lightning's part (loops, callbacks, LR
+  schedulers, hyper-parameters, precision state) and what the shards need to be reassembled.
 
-Either kind loads at any world size, under any stage. Writes are atomic (``engine/files.py``);
-reads use ``weights_only=True`` unless the caller passes ``weights_only=False`` explicitly.
+Either kind loads at any world size, under any stage. Saves follow [Note: save protocol] in
+``strategies/saving.py`` (crash-safe, cleaned up on failure); reads follow [Note: checkpoint trust] in
+``engine/safe_read.py`` (``weights_only=True`` unless the caller passes ``weights_only=False``).
 """
 
 from __future__ import annotations
 
-import pickle
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_zero.engine.checkpoint import (
-    META_FILE,
+from lightning_zero.engine.checkpoint import META_FILE, consolidate_state, load_sharded
+from lightning_zero.engine.files import atomic_torch_save, commit, find_checkpoint, temporary_path
+from lightning_zero.engine.safe_read import (
     CorruptCheckpointError,
-    checkpoint_meta,
-    consolidate_state,
-    load_sharded,
-    save_sharded,
+    UnsafeCheckpointError,
+    load_torch_file,
+    regular_file,
 )
-from lightning_zero.engine.files import atomic_torch_save, find_checkpoint, replace_directory, temporary_path
+from lightning_zero.strategies.saving import CheckpointSaveError, save_full, save_sharded_directory
 
 if TYPE_CHECKING:
     from lightning_zero.strategies.base import ZeROStrategy
 
-SHARDED_KEYS = ("state_dict", "optimizer_states")
-
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """The file holds objects only arbitrary pickled code can rebuild; it was not loaded."""
+__all__ = [
+    "CheckpointSaveError",
+    "CorruptCheckpointError",
+    "UnsafeCheckpointError",
+    "WeightsOnlyCheckpointError",
+    "consolidate",
+    "load",
+    "read_meta",
+    "save",
+]
 
 
 class WeightsOnlyCheckpointError(KeyError):
@@ -51,60 +57,54 @@ def save(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None
     """Write ``checkpoint`` at ``path`` (call on every rank)."""
     # Decided from the strategy, the same on every rank: a rank whose shards happen to be empty
     # (tiny parameters, many ranks) must still join the collective save.
-    if not strategy.writes_sharded_checkpoints:
-        if strategy.is_global_zero:
-            atomic_torch_save(checkpoint, path)
-        return
-    # Built on every rank (it is cheap), so that a problem raises everywhere instead of stranding the others.
-    optimizers = strategy.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
-    zero_meta = checkpoint_meta(strategy.sharded_model, optimizers)
-    token = strategy.broadcast(uuid.uuid4().hex)
-    tmp = temporary_path(path, token)
-    shards: dict[str, Any] = dict(checkpoint["state_dict"])
-    for optimizer_state in checkpoint.get("optimizer_states", []):
-        shards.update(optimizer_state)
-    save_sharded(shards, tmp)
-    if strategy.is_global_zero:
-        meta = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
-        meta["lightning_zero"] = zero_meta
-        atomic_torch_save(meta, tmp / META_FILE)
-    strategy.barrier("lightning_zero.save")
-    if strategy.is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        replace_directory(tmp, path)
-    strategy.barrier("lightning_zero.commit")
+    if strategy.writes_sharded_checkpoints:
+        save_sharded_directory(strategy, checkpoint, path)
+    elif strategy.writes_parallel_checkpoints:
+        save_full(strategy, checkpoint, path)
+    elif strategy.is_global_zero:
+        atomic_torch_save(checkpoint, path)
 
 
 def read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
-    """``meta.pt`` of a sharded checkpoint, or the whole dict of a full one (tensors on the CPU)."""
-    file = path / META_FILE if path.is_dir() else path
-    if path.is_dir() and not file.exists():
-        raise FileNotFoundError(f"{str(path)!r} is a directory without {META_FILE}: not a lightning_zero checkpoint")
-    try:
-        return torch.load(file, map_location="cpu", weights_only=weights_only is not False)
-    except pickle.UnpicklingError as err:
-        raise UnsafeCheckpointError(
-            f"{str(file)!r} holds objects that only arbitrary pickle code can rebuild, so it was not loaded "
-            f"({err}). If you trust the file, pass weights_only=False (e.g. trainer.fit(..., weights_only=False))."
-        ) from err
-    except (RuntimeError, EOFError) as err:
-        raise RuntimeError(f"{str(file)!r} is corrupted or truncated and was not loaded: {err}") from err
+    """``meta.pt`` of a sharded checkpoint, or the whole dict of a full one (tensors memory-mapped, on the CPU)."""
+    if path.is_dir():
+        root = path.resolve()
+        try:
+            file = regular_file(root, META_FILE)
+        except CorruptCheckpointError as err:
+            if (root / META_FILE).exists() or (root / META_FILE).is_symlink():
+                raise
+            raise CorruptCheckpointError(
+                f"{str(path)!r} is a directory without {META_FILE}, so it is not a lightning_zero checkpoint "
+                "(a sharded checkpoint of another tool? convert it to a full checkpoint with that tool)"
+            ) from err
+        meta = load_torch_file(file, weights_only)
+        if not isinstance(meta, dict) or not isinstance(meta.get("lightning_zero"), dict):
+            raise CorruptCheckpointError(
+                f"{str(path)!r} is a sharded checkpoint written by another tool (its {META_FILE} has no "
+                "lightning_zero section); convert it to a full checkpoint with that tool first"
+            )
+        return meta
+    checkpoint = load_torch_file(path.resolve(), weights_only)  # the path may be a link (save_last="link")
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise CorruptCheckpointError(
+            f"{str(path)!r} is not a Lightning checkpoint (it has no 'state_dict' entry). A plain state dict "
+            "loads with model.load_state_dict(torch.load(path)); a checkpoint of another library needs that "
+            "library's converter"
+        )
+    return checkpoint
 
 
 def load(strategy: ZeROStrategy, path: Path, weights_only: bool | None, with_optimizers: bool) -> dict[str, Any]:
     """Load a checkpoint of either format into the strategy's shards; return the rest for Lightning."""
     path = find_checkpoint(path)
     checkpoint = read_meta(path, weights_only)
+    path = path.resolve() if path.is_dir() else path
     module = strategy.lightning_module
     strict = True if module is None else module.strict_loading
     sharded_model = strategy.sharded_model
     optimizers = strategy.unwrapped_optimizers if with_optimizers else []
     if path.is_dir():
-        if "lightning_zero" not in checkpoint:
-            raise CorruptCheckpointError(
-                f"{str(path)!r} is a sharded checkpoint written by another tool (its {META_FILE} has no "
-                "lightning_zero section); convert it to a full checkpoint with that tool first"
-            )
         zero_meta = checkpoint.pop("lightning_zero")
         if with_optimizers and not zero_meta["optimizers"]:
             raise WeightsOnlyCheckpointError(
@@ -148,7 +148,7 @@ def consolidate(
     """
     path = find_checkpoint(Path(checkpoint))
     meta = read_meta(path, weights_only)
-    result = consolidate_state(path, meta) if path.is_dir() else meta
+    result = consolidate_state(path.resolve(), meta) if path.is_dir() else meta
     if output is not None:
         output = Path(output)
         if output.suffix == ".safetensors":
@@ -168,4 +168,4 @@ def save_safetensors(state_dict: dict[str, Any], output: Path) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(output, uuid.uuid4().hex)
     save_file(tensors, str(tmp))
-    replace_directory(tmp, output)
+    commit(tmp, output)

@@ -8,13 +8,18 @@ from lightning_zero.engine.checkpoint import CheckpointMismatchError, CorruptChe
 from lightning_zero.engine.comm import CollectiveMismatchError
 from lightning_zero.engine.init_trace import MetaInitError
 from lightning_zero.engine.optimizer import UnsupportedOptimizerError
-from lightning_zero.strategies.checkpointing import UnsafeCheckpointError, WeightsOnlyCheckpointError
+from lightning_zero.strategies.checkpointing import (
+    CheckpointSaveError,
+    UnsafeCheckpointError,
+    WeightsOnlyCheckpointError,
+)
 from lightning_zero.strategies.precision import NonFiniteGradientError
 
 # Errors raised by checks that run identically on every rank at the same point, so that after one of
 # them all ranks can still take part in the collectives of a clean teardown.
 RAISED_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
     CheckpointMismatchError,
+    CheckpointSaveError,
     CollectiveMismatchError,
     CorruptCheckpointError,
     MetaInitError,

@@ -13,9 +13,9 @@ import torch
 from torch.nn import Module
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-CheckpointFormat = Literal["sharded", "full"]
+CheckpointFormat = Literal["full", "sharded"]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
-CHECKPOINT_FORMATS = ("sharded", "full")
+CHECKPOINT_FORMATS = ("full", "sharded")
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 COLLECTIVE_CHECKS = ("auto", "all", "off")

@@ -16,7 +16,8 @@ def register_presets(registry: _StrategyRegistry, cls: type[ZeROStrategy], name:
         name: ("", {}),
         f"{name}_spawn": (", processes started with 'spawn'", {"start_method": "spawn"}),
         f"{name}_fork": (", processes forked (notebooks)", {"start_method": "fork"}),
-        f"{name}_full_checkpoint": (", one full DDP-shaped checkpoint file", {"checkpoint_format": "full"}),
+        f"{name}_full_checkpoint": (", one DDP-shaped checkpoint file (the default)", {"checkpoint_format": "full"}),
+        f"{name}_sharded_checkpoint": (", sharded checkpoint directories", {"checkpoint_format": "sharded"}),
         f"{name}_stats": (", communication and memory logged every step", {"log_stats": True}),
     }
     for preset, (extra, init_params) in presets.items():

@@ -1,0 +1,199 @@
+"""One ordinary ``torch.save`` file, written by every rank in parallel: no rank gathers anything.
+
+[Note: parallel full file]
+``torch.save`` writes a zip archive: a pickle (``data.pkl``) that describes the object, tensors
+included, and one uncompressed record per tensor storage holding its bytes. The bytes of a record
+can be written by anyone who knows where the record starts. So a full checkpoint, the very file
+``DDPStrategy`` writes, is produced without gathering:
+
+1. Every rank describes its part: each parameter and per-element optimizer state is a ``FlatPiece``,
+   the elements ``[offset, offset + local.numel())`` of the flattened full tensor that this rank's
+   shard holds (see [Note: flat layout] in ``engine/layout.py``).
+2. Rank 0 replaces each piece by a ``FakeTensor`` of the full shape and dtype (no memory) and saves
+   the whole checkpoint under ``torch.serialization.skip_data``: the archive gets its pickle and
+   its records' headers, with space left (a sparse hole) where the fake tensors' bytes go. A pickler
+   that records which storage got which record tells rank 0 where each piece's tensor starts
+   (``PyTorchFileReader.get_record_offset``); rank 0 writes the bytes of the real tensors (buffers,
+   ``step`` counters, Lightning's own) and broadcasts the offsets.
+3. Every rank writes its pieces at ``record offset + offset * element size`` with ``pwrite``, in
+   parallel, and ``fsync``s.
+
+``torch.load`` reads the result like any checkpoint (``torch.load`` does not verify the zip's CRC32
+fields, which are left at zero, as with ``torch.serialization.set_crc32_options(False)``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_zero.engine.files import crash_point
+
+_WRITE_CHUNK = 1 << 30  # bytes per pwrite call (Linux writes at most ~2 GiB at once)
+
+
+@dataclass(frozen=True, eq=False)
+class FlatPiece:
+    """This rank's part of a tensor that is saved whole: elements ``[offset, offset + local.numel())`` of
+    the flattened tensor of ``shape`` and ``dtype``. ``key`` names the tensor the same way on every rank."""
+
+    key: str
+    shape: torch.Size
+    dtype: torch.dtype
+    local: torch.Tensor
+    offset: int
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"{self.key!r} is one rank's piece of a sharded tensor; it is written by lightning_zero's checkpoint "
+            "writer and cannot be pickled on its own (use strategy.full_state_dict() for full tensors)"
+        )
+
+
+def pieces_in(obj: Any) -> Iterator[FlatPiece]:
+    """Every ``FlatPiece`` in nested dicts, lists and tuples, once each."""
+    seen: set[int] = set()
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, FlatPiece):
+            if id(item) not in seen:
+                seen.add(id(item))
+                yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+
+
+def _with_fakes(obj: Any, fakes: dict[int, torch.Tensor], mode: FakeTensorMode) -> Any:
+    """``obj`` with each ``FlatPiece`` replaced by a fake tensor of its full shape (the same fake for the
+    same piece, so tied weights stay one storage); containers without pieces are returned as they are."""
+    if isinstance(obj, FlatPiece):
+        if id(obj) not in fakes:
+            with mode:
+                fakes[id(obj)] = torch.empty(obj.shape, dtype=obj.dtype, device="cpu")
+        return fakes[id(obj)]
+    if isinstance(obj, dict):
+        changed = {k: v2 for k, v in obj.items() if (v2 := _with_fakes(v, fakes, mode)) is not v}
+        if not changed:
+            return obj
+        result = copy.copy(obj)  # keeps the dict's class (OrderedDict, ...)
+        result.update(changed)
+        return result
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        items = [_with_fakes(v, fakes, mode) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(items)
+    return obj
+
+
+class _RecordingPickler(pickle._Pickler):  # type: ignore[name-defined]
+    """The pure-Python pickler, noting which storage object each persistent id (storage record) was made
+    for. ``torch.save`` subclasses it (``pickle_module.Pickler``) and supplies ``persistent_id``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.storage_of_record: dict[str, Any] = {}
+        self._saving: Any = None
+
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if save_persistent_id:
+            self._saving = obj
+        super().save(obj, save_persistent_id)
+
+    def save_pers(self, pid: Any) -> None:
+        self.storage_of_record.setdefault(str(pid[2]), self._saving)
+        super().save_pers(pid)
+
+
+def _recording_pickle_module(picklers: list[_RecordingPickler]) -> types.SimpleNamespace:
+    """A ``pickle_module`` for ``torch.save`` whose pickler is appended to ``picklers``."""
+
+    class Recording(_RecordingPickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            picklers.append(self)
+
+    return types.SimpleNamespace(Pickler=Recording, __name__="pickle")
+
+
+def _untyped(storage: Any) -> torch.UntypedStorage:
+    return storage._untyped_storage if isinstance(storage, torch.storage.TypedStorage) else storage
+
+
+def write_skeleton(checkpoint: dict[str, Any], path: Path) -> dict[str, int]:
+    """Rank 0: write ``checkpoint`` to ``path`` with every ``FlatPiece`` as a hole of its full size, and the
+    bytes of every real tensor; return each piece's byte offset in the file, by ``FlatPiece.key``."""
+    mode = FakeTensorMode()
+    fakes: dict[int, torch.Tensor] = {}
+    skeleton = _with_fakes(checkpoint, fakes, mode)
+    key_of_storage = {}
+    for piece in pieces_in(checkpoint):
+        key_of_storage[fakes[id(piece)].untyped_storage()._cdata] = piece.key
+    picklers: list[_RecordingPickler] = []
+    with open(path, "wb") as stream:
+        with torch.serialization.skip_data(materialize_fake_tensors=True):
+            torch.save(skeleton, stream, pickle_module=_recording_pickle_module(picklers))
+        stream.flush()
+    (recorder,) = picklers
+    offsets: dict[str, int] = {}
+    with open(path, "rb") as stream:
+        reader = torch._C.PyTorchFileReader(stream)
+        record_offsets = {record: reader.get_record_offset(f"data/{record}") for record in recorder.storage_of_record}
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for record, storage in recorder.storage_of_record.items():
+            untyped = _untyped(storage)
+            piece_key = key_of_storage.get(untyped._cdata)
+            if piece_key is not None:
+                offsets[piece_key] = record_offsets[record]
+            else:  # a real tensor: its bytes now
+                data = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped).cpu()
+                _pwrite_all(fd, data, record_offsets[record])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    missing = set(key_of_storage.values()) - set(offsets)
+    if missing:
+        raise RuntimeError(f"internal error: no record was written for {sorted(missing)[:3]}")
+    return offsets
+
+
+def write_pieces(path: Path, pieces: list[FlatPiece], offsets: dict[str, int]) -> int:
+    """Every rank: write this rank's pieces into ``path`` at the offsets rank 0 found; the bytes written."""
+    written = 0
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for piece in pieces:
+            if piece.key not in offsets:
+                raise RuntimeError(f"{piece.key!r} is not in the checkpoint rank 0 wrote: the ranks' states differ")
+            if piece.local.numel() == 0:
+                continue
+            if piece.local.dtype != piece.dtype:
+                raise RuntimeError(f"{piece.key!r}: piece of dtype {piece.local.dtype}, tensor of {piece.dtype}")
+            data = piece.local.detach().reshape(-1).cpu()
+            _pwrite_all(fd, data, offsets[piece.key] + piece.offset * data.element_size())
+            written += data.numel() * data.element_size()
+            crash_point("partial", path)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return written
+
+
+def _pwrite_all(fd: int, tensor: torch.Tensor, position: int) -> None:
+    view = memoryview(tensor.contiguous().view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done : done + _WRITE_CHUNK], position + done)

@@ -1,0 +1,266 @@
+"""Saving a checkpoint on every rank: the order of writes, the one commit, and what a failure leaves.
+
+[Note: save protocol]
+A save is a sequence of phases, each ending in a collective where the ranks learn whether any of
+them failed; so a failure on one rank (a full disk, a write error) makes every rank raise the same
+``CheckpointSaveError`` at the same point, instead of leaving the others waiting, and the rank that
+created the temporary files deletes them: a failed save leaves nothing behind and the previous
+checkpoint untouched. Only rank 0 commits, after every rank's data is durable (``fsync``).
+
+- ``"full"``: rank 0 writes the file's skeleton under a hidden temporary name and broadcasts where
+  each piece goes; every rank writes its pieces; rank 0 checks that the pieces cover every tensor,
+  then renames the file into place (see [Note: parallel full file] in ``engine/torch_file.py``).
+- ``"sharded"``: every rank writes its DCP file into ``shards-<token>`` (inside the existing
+  checkpoint, or inside a hidden temporary directory for a new one); rank 0 writes ``meta.pt``, which
+  commits (see [Note: sharded layout] in ``engine/checkpoint.py``), and deletes the previous shards.
+
+``crash_point`` marks the moments the crash tests kill a save at: ``start``, ``partial`` (some data
+written), ``before-commit``, ``after-commit`` (before the previous data is deleted), ``end``.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import uuid
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from lightning_zero.engine.checkpoint import META_FILE, SHARDS_PREFIX, checkpoint_meta, save_sharded
+from lightning_zero.engine.files import (
+    atomic_torch_save,
+    commit,
+    crash_point,
+    remove,
+    remove_leftovers,
+    temporary_path,
+)
+from lightning_zero.engine.torch_file import FlatPiece, pieces_in, write_pieces, write_skeleton
+
+if TYPE_CHECKING:
+    from lightning_zero.strategies.base import ZeROStrategy
+
+SHARDED_KEYS = ("state_dict", "optimizer_states")
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank; every rank raises it, the partial save was removed, and the previous
+    checkpoint of that name is unchanged."""
+
+
+Report = dict[int, tuple[str, bool]]  # failing rank -> (what went wrong, whether it is a full disk)
+
+
+def _describe(error: BaseException | None, rank: int) -> Report:
+    """What failed where; DCP's ``CheckpointException`` already names every failing rank."""
+    if error is None:
+        return {}
+    if isinstance(error, CheckpointException):
+        return {r: _describe(failure, r)[r] for r, (failure, _) in error.failures.items()}
+    no_space = isinstance(error, OSError) and error.errno in _NO_SPACE
+    return {rank: (f"{type(error).__name__}: {error}", no_space)}
+
+
+def _gather(strategy: ZeROStrategy, value: Any) -> list[Any]:
+    if not dist.is_available() or not dist.is_initialized() or strategy.world_size == 1:
+        return [value]
+    values: list[Any] = [None] * strategy.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _raise_if_failed(path: Path, reports: list[Report], needed: int) -> None:
+    failed: Report = {}
+    for report in reports:
+        failed.update(report)
+    if not failed:
+        return
+    lines = "; ".join(f"rank {rank}: {message}" for rank, (message, _) in sorted(failed.items()))
+    text = (
+        f"saving the checkpoint {str(path)!r} failed on rank(s) {sorted(failed)} ({lines}). The partial save "
+        f"was removed; the previous checkpoint of that name, if any, is unchanged."
+    )
+    if any(no_space for _, no_space in failed.values()):
+        text += (
+            f" A save needs free space for the whole new checkpoint (about {_size(needed)} here) while "
+            "the previous one stays on disk until the new one is complete: free space, or save elsewhere."
+        )
+    raise CheckpointSaveError(text)
+
+
+def _size(count: float) -> str:
+    if count < 1024:
+        return f"{count:.0f} bytes"
+    for unit in ("KiB", "MiB"):
+        count /= 1024
+        if count < 1024:
+            return f"{count:.1f} {unit}"
+    return f"{count / 1024:.1f} GiB"
+
+
+def needed_bytes(checkpoint: Any, path: Path) -> int:
+    """About how many bytes ``checkpoint`` takes on disk: its tensors counted whole, or what the checkpoint it
+    replaces takes, whichever is more."""
+    on_disk = 0
+    if path.is_file():
+        on_disk = path.stat().st_size
+    elif path.is_dir():
+        on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+    total, seen, stack = 0, set(), [checkpoint]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, FlatPiece):
+            total += math.prod(item.shape) * item.local.element_size()
+        elif isinstance(item, torch.Tensor):  # a DTensor piece counts as its whole tensor
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return max(total, on_disk)
+
+
+def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
+    """Write ``checkpoint`` (with ``FlatPiece``s) as one ordinary file at ``path``, all ranks in parallel."""
+    rank0 = strategy.is_global_zero
+    token, needed = strategy.broadcast((uuid.uuid4().hex, needed_bytes(checkpoint, path) if rank0 else 0))
+    tmp = temporary_path(path, token)
+    pieces = list(pieces_in(checkpoint))
+    crash_point("start", path)
+    offsets: dict[str, int] | None = None
+    error: BaseException | None = None
+    if rank0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            offsets = write_skeleton(checkpoint, tmp)
+        except (Exception, CheckpointException) as err:
+            error = err
+    offsets, report = strategy.broadcast((offsets, _describe(error, strategy.global_rank)))
+    try:
+        _raise_if_failed(path, [report], needed)
+        assert offsets is not None
+        try:
+            write_pieces(tmp, pieces, offsets)
+        except (Exception, CheckpointException) as err:
+            error = err
+        _raise_if_failed(path, _gather(strategy, _describe(error, strategy.global_rank)), needed)
+        written = _elements_written(strategy, pieces, sorted(offsets))
+        if rank0:
+            try:
+                _check_coverage(pieces, written)
+                crash_point("before-commit", path)
+                commit(tmp, path)
+                crash_point("after-commit", path)
+            except (Exception, CheckpointException) as err:
+                error = err
+        _raise_if_failed(path, [strategy.broadcast(_describe(error, strategy.global_rank))], needed)
+    except BaseException:
+        if rank0:
+            remove(tmp)
+        raise
+    if rank0:
+        _tidy(lambda: remove_leftovers(path))
+    crash_point("end", path)
+
+
+def _tidy(cleanup: Any) -> None:
+    """Delete what the committed save replaced; a failure here loses nothing, so it only warns."""
+    try:
+        cleanup()
+    except OSError as err:
+        warnings.warn(f"the checkpoint was saved, but deleting the data it replaced failed: {err}", stacklevel=3)
+
+
+def _elements_written(strategy: ZeROStrategy, pieces: list[FlatPiece], keys: list[str]) -> dict[str, int]:
+    """How many elements of each tensor all ranks wrote together (one all-reduce of one number per tensor)."""
+    position = {key: i for i, key in enumerate(keys)}
+    counts = [0] * len(keys)
+    for piece in pieces:
+        counts[position[piece.key]] += piece.local.numel()
+    total = torch.tensor(counts, dtype=torch.int64, device=strategy.root_device)
+    if dist.is_available() and dist.is_initialized() and strategy.world_size > 1:
+        dist.all_reduce(total)
+    return dict(zip(keys, total.tolist()))
+
+
+def _check_coverage(pieces: list[FlatPiece], written: dict[str, int]) -> None:
+    for piece in pieces:
+        total = written.get(piece.key, 0)
+        if total != math.prod(piece.shape):
+            raise RuntimeError(
+                f"the ranks wrote {total} of the {math.prod(piece.shape)} elements of {piece.key!r}: the ranks' "
+                "optimizer or model states differ, so the file would be incomplete"
+            )
+
+
+def _commits_in_place(path: Path) -> bool:
+    """Whether ``path`` is a sharded checkpoint (format 2) that a new save can be committed inside."""
+    if path.is_symlink() or not path.is_dir() or not (path / META_FILE).is_file():
+        return False
+    return any(child.name.startswith(SHARDS_PREFIX) for child in path.iterdir())
+
+
+def save_sharded_directory(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
+    """Write ``checkpoint`` (with DTensor pieces) as a sharded directory at ``path``; every rank writes its part."""
+    rank0 = strategy.is_global_zero
+    # Built on every rank (it is cheap), so that a problem raises everywhere instead of stranding the others.
+    optimizers = strategy.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
+    zero_meta = checkpoint_meta(strategy.sharded_model, optimizers)
+    token, in_place, needed = strategy.broadcast(
+        (uuid.uuid4().hex, _commits_in_place(path), needed_bytes(checkpoint, path)) if rank0 else None
+    )
+    root = path if in_place else temporary_path(path, token)
+    shards = root / f"{SHARDS_PREFIX}{token}"
+    crash_point("start", path)
+    state: dict[str, Any] = dict(checkpoint["state_dict"])
+    for optimizer_state in checkpoint.get("optimizer_states", []):
+        state.update(optimizer_state)
+    committed = False
+    error: BaseException | None = None
+    try:
+        try:
+            save_sharded(state, shards, token, strategy.global_rank)
+            crash_point("partial", path)
+        except (Exception, CheckpointException) as err:
+            error = err
+        _raise_if_failed(path, _gather(strategy, _describe(error, strategy.global_rank)), needed)
+        if rank0:
+            try:
+                meta = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
+                meta["lightning_zero"] = {**zero_meta, "save_id": token}
+                if not in_place:
+                    atomic_torch_save(meta, root / META_FILE)
+                crash_point("before-commit", path)
+                if in_place:
+                    atomic_torch_save(meta, root / META_FILE)  # replacing meta.pt is the commit
+                else:
+                    commit(root, path)
+                committed = True
+                crash_point("after-commit", path)
+            except (Exception, CheckpointException) as err:
+                error = err
+        _raise_if_failed(path, [strategy.broadcast(_describe(error, strategy.global_rank))], needed)
+    except BaseException:
+        if rank0 and not committed:
+            remove(shards if in_place else root)
+        raise
+    if rank0:
+        _tidy(lambda: _remove_replaced_shards(path, shards.name))
+    crash_point("end", path)
+
+
+def _remove_replaced_shards(path: Path, current: str) -> None:
+    for child in path.iterdir():
+        if child.name.startswith(SHARDS_PREFIX) and child.name != current:
+            remove(child)
+    remove_leftovers(path / META_FILE)
+    remove_leftovers(path)

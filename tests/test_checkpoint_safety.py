@@ -1,0 +1,532 @@
+"""Checkpoints you can trust, through a real Trainer on two CPU ranks (both formats):
+
+- damaged and hostile checkpoints are refused before anything loads, by ``fit``, ``validate`` and
+  ``consolidate`` alike: no payload runs, nothing outside the checkpoint is read, memory stays bounded,
+  and shards of another save are refused;
+- a save killed at each point of its protocol resumes, through Lightning's own ``ckpt_path="last"``,
+  from the newest complete checkpoint, with DDP's losses;
+- a save that fails on one rank (a write error, a full disk) fails on every rank, leaves nothing behind
+  and the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+import zipfile
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+from lightning_zero import ZeRO3Strategy, consolidate_checkpoint
+from lightning_zero.engine.files import KILL_AT
+from lightning_zero.engine.safe_read import CorruptCheckpointError, UnsafeCheckpointError
+from lightning_zero.strategies.saving import CheckpointSaveError
+from tests.distributed import spawn
+from tests.models import ParityNet, quiet_trainer
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS_PER_EPOCH = 8  # 64 samples, batch 4, 2 ranks
+
+
+def _model() -> ParityNet:
+    return ParityNet(optimizer="adamw", scheduler="step")
+
+
+def _strategy(checkpoint_format: str) -> ZeRO3Strategy:
+    return ZeRO3Strategy(checkpoint_format=checkpoint_format)  # type: ignore[arg-type]
+
+
+class _SaveAtEnd(Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)  # while still sharded
+
+
+def _write(rank: int, world_size: int, root: str) -> None:
+    for name, checkpoint_format, seed in (("a", "sharded", 0), ("b", "sharded", 1), ("full", "full", 0)):
+        torch.manual_seed(seed)
+        callback = _SaveAtEnd(f"{root}/{name}.ckpt")
+        quiet_trainer(strategy=_strategy(checkpoint_format), devices=world_size, max_steps=2, callbacks=[callback]).fit(
+            _model()
+        )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("saved")
+    spawn(_write, world_size=2, timeout=300, root=str(root))
+    assert (root / "a.ckpt").is_dir() and (root / "full.ckpt").is_file()
+    return root
+
+
+# ---------------------------------------------------------------------- the full file, written in pieces
+def test_pieces_written_by_two_ranks_make_the_file_torch_save_would_write(tmp_path: Path) -> None:
+    """The writer on one process, playing both ranks: a 3x4 weight split 7/5 elements, tied under two names,
+    an optimizer state split the same way, a real buffer and a step counter."""
+    from lightning_zero.engine.torch_file import FlatPiece, write_pieces, write_skeleton
+    from lightning_zero.strategies.saving import _check_coverage
+
+    weight, state = torch.randn(3, 4), torch.randn(3, 4)
+    flat_w, flat_s = weight.reshape(-1), state.reshape(-1)
+
+    def rank(lo: int, hi: int) -> tuple[FlatPiece, FlatPiece]:
+        return (
+            FlatPiece("model/w", weight.shape, weight.dtype, flat_w[lo:hi].clone(), lo),
+            FlatPiece("optim/0/0/exp_avg", state.shape, state.dtype, flat_s[lo:hi].clone(), lo),
+        )
+
+    (w0, s0), (w1, s1) = rank(0, 7), rank(7, 12)
+    checkpoint = {
+        "state_dict": {"w": w0, "tied": w0, "buffer": torch.arange(3.0)},
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(5.0), "exp_avg": s0}}, "param_groups": []}],
+        "epoch": 2,
+    }
+    path = tmp_path / "parallel.ckpt"
+    offsets = write_skeleton(checkpoint, path)
+    write_pieces(path, [w0, s0], offsets)
+    write_pieces(path, [w1, s1], offsets)
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["state_dict"]["w"], weight) and torch.equal(loaded["state_dict"]["tied"], weight)
+    assert loaded["state_dict"]["w"].data_ptr() == loaded["state_dict"]["tied"].data_ptr()  # one storage
+    assert torch.equal(loaded["state_dict"]["buffer"], torch.arange(3.0)) and loaded["epoch"] == 2
+    assert torch.equal(loaded["optimizer_states"][0]["state"][0]["exp_avg"], state)
+    assert loaded["optimizer_states"][0]["state"][0]["step"] == 5
+    _check_coverage([w0, s0], {"model/w": 12, "optim/0/0/exp_avg": 12})
+    with pytest.raises(RuntimeError, match=r"the ranks wrote 7 of the 12 elements of 'model/w'"):
+        _check_coverage([w0, s0], {"model/w": 7, "optim/0/0/exp_avg": 12})  # rank 1's piece missing
+    with pytest.raises(TypeError, match="cannot be pickled on its own"):
+        pickle.dumps(w0)
+
+
+# ---------------------------------------------------------------------- hostile and damaged checkpoints
+def _shards(checkpoint: Path) -> Path:
+    (shards,) = checkpoint.glob("shards-*")
+    return shards
+
+
+def _stack_global_payload(command: str) -> bytes:
+    """The pickle of the report: STACK_GLOBAL('torch.distributed.checkpoint.metadata', 'os.system')(command)."""
+
+    def text(value: str) -> bytes:
+        return b"\x8c" + bytes([len(value.encode())]) + value.encode()
+
+    module, name = "torch.distributed.checkpoint.metadata", "os.system"
+    return b"\x80\x04" + text(module) + text(name) + b"\x93" + text(command) + b"\x85R."
+
+
+class _Payload:
+    """Unpickling this runs ``os.system``: ``torch.load(weights_only=True)`` must refuse it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _forge_metadata(checkpoint: Path, numel: int) -> None:
+    """Claim that the first ``step`` entry holds ``numel`` float32 elements (its file holds a few bytes)."""
+    shards = _shards(checkpoint)
+    metadata = FileSystemReader(shards).read_metadata()
+    key = next(k for k in metadata.state_dict_metadata if k.endswith("/step"))
+    entry = metadata.state_dict_metadata[key]
+    info = metadata.storage_data.pop(MetadataIndex(key, entry.chunks[0].offsets))
+    entry.size = torch.Size([numel])
+    entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([numel]))]
+    metadata.storage_data[MetadataIndex(key, torch.Size([0]))] = info
+    (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _cases(saved: Path, work: Path, marker: Path) -> list[tuple[str, str, str, str]]:
+    """(name, path, error kind, message pattern) for every damaged or hostile checkpoint."""
+    cases = []
+
+    def copy(source: str, name: str) -> Path:
+        target = work / f"{name}.ckpt"
+        if (saved / source).is_dir():
+            shutil.copytree(saved / source, target)
+        else:
+            shutil.copyfile(saved / source, target)
+        return target
+
+    path = copy("a.ckpt", "payload-metadata")
+    (_shards(path) / ".metadata").write_bytes(_stack_global_payload(f"touch {marker}"))
+    asks = r"asks for torch\.distributed\.checkpoint\.metadata\.os\.system"
+    cases.append(("payload-metadata", path, "corrupt", asks))
+
+    path = copy("a.ckpt", "payload-meta-pt")
+    meta = torch.load(path / "meta.pt", weights_only=True)
+    torch.save({**meta, "payload": _Payload(marker)}, path / "meta.pt")
+    cases.append(("payload-meta-pt", path, "unsafe", "only arbitrary pickle code can rebuild"))
+
+    path = work / "payload-full.ckpt"
+    full = torch.load(saved / "full.ckpt", weights_only=True)
+    torch.save({**full, "payload": _Payload(marker)}, path)
+    cases.append(("payload-full", path, "unsafe", "only arbitrary pickle code can rebuild"))
+
+    outside = work / "outside.distcp"
+    shutil.copyfile(_shards(saved / "a.ckpt") / "__1_0.distcp", outside)
+    path = copy("a.ckpt", "symlink-shard")
+    (_shards(path) / "__1_0.distcp").unlink()
+    (_shards(path) / "__1_0.distcp").symlink_to(outside)
+    cases.append(("symlink-shard", path, "corrupt", r"__1_0\.distcp' is a symbolic link"))
+
+    path = copy("a.ckpt", "symlink-meta")
+    shutil.move(path / "meta.pt", work / "outside-meta.pt")
+    (path / "meta.pt").symlink_to(work / "outside-meta.pt")
+    cases.append(("symlink-meta", path, "corrupt", r"meta\.pt' is a symbolic link"))
+
+    path = copy("a.ckpt", "size-1GB")
+    _forge_metadata(path, 2**28)
+    cases.append(("size-1GB", path, "corrupt", r"claims 1073741824 bytes .* refusing to allocate"))
+
+    path = copy("a.ckpt", "size-4TB")
+    _forge_metadata(path, 2**40)
+    cases.append(("size-4TB", path, "corrupt", r"claims 4398046511104 bytes .* refusing to allocate"))
+
+    path = copy("a.ckpt", "shard-of-another-run")
+    shutil.copyfile(_shards(saved / "b.ckpt") / "__1_0.distcp", _shards(path) / "__1_0.distcp")
+    cases.append(("shard-of-another-run", path, "corrupt", r"__1_0\.distcp' belongs to another save"))
+
+    path = copy("a.ckpt", "truncated-shard")
+    shard = _shards(path) / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    cases.append(("truncated-shard", path, "corrupt", r"__1_0\.distcp' is truncated"))
+
+    path = copy("a.ckpt", "no-meta")
+    (path / "meta.pt").unlink()
+    cases.append(("no-meta", path, "corrupt", "is a directory without meta.pt, so it is not a lightning_zero"))
+
+    raw = (saved / "full.ckpt").read_bytes()
+    for name, data in (("truncated-full-end", raw[:-10]), ("truncated-full-half", raw[: len(raw) // 2])):
+        (work / f"{name}.ckpt").write_bytes(data)
+        cases.append((name, work / f"{name}.ckpt", "corrupt", "is truncated or corrupted and was not loaded"))
+
+    (work / "random.ckpt").write_bytes(os.urandom(4096))
+    cases.append(("foreign-random-bytes", work / "random.ckpt", "corrupt", "is not a checkpoint or is corrupted"))
+
+    torch.save(_model().state_dict(), work / "plain-state-dict.ckpt")
+    cases.append(("foreign-state-dict", work / "plain-state-dict.ckpt", "corrupt", "is not a Lightning checkpoint"))
+
+    with zipfile.ZipFile(work / "zip.ckpt", "w") as archive:
+        archive.writestr("notes.txt", "not a checkpoint")
+    cases.append(("foreign-zip", work / "zip.ckpt", "corrupt", "is a zip archive but not one torch.save wrote"))
+    return [(name, str(path), kind, pattern) for name, path, kind, pattern in cases]
+
+
+ERRORS = {"corrupt": CorruptCheckpointError, "unsafe": UnsafeCheckpointError}
+
+
+def _refuse_everywhere(rank: int, world_size: int, cases: list, marker: str) -> dict[str, tuple[float, float]]:
+    """Every case through fit and (for the payloads) validate: refused on every rank, the model untouched."""
+    measured = {}
+    for name, path, kind, pattern in cases:
+        entry_points = ("fit", "validate") if name.startswith("payload") else ("fit",)
+        for entry in entry_points:
+            torch.manual_seed(3)
+            model = _model()
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            trainer = quiet_trainer(strategy="zero3", devices=world_size, max_steps=4, limit_val_batches=1)
+            peak, start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter()
+            with pytest.raises(ERRORS[kind], match=pattern):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    getattr(trainer, entry)(model, ckpt_path=path)
+            seconds = time.perf_counter() - start
+            grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak) / 1024
+            measured[f"{name} ({entry})"] = (seconds, grown_mib)
+            for key, value in before.items():
+                assert torch.equal(model.state_dict()[key], value), (name, entry, key)
+            assert not Path(marker).exists(), f"{name}: the payload ran"
+    return measured
+
+
+def test_hostile_and_damaged_checkpoints_are_refused_by_every_entry_point(saved: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "payload-ran"
+    # The payload is live: the plain unpickler that DCP uses runs it.
+    canary = tmp_path / "canary"
+    pickle.loads(_stack_global_payload(f"touch {canary}"))
+    assert canary.exists()
+
+    cases = _cases(saved, tmp_path, marker)
+    for name, path, kind, pattern in cases:  # consolidate, in this process
+        with pytest.raises(ERRORS[kind], match=pattern):
+            consolidate_checkpoint(path, tmp_path / "out.ckpt")
+        assert not marker.exists(), name
+    for name, path, _, _ in cases:  # the command line: one line on stderr, exit status 2
+        if name.startswith("payload") or name in ("symlink-shard", "size-1GB"):
+            command = [sys.executable, "-m", "lightning_zero", "consolidate", path, str(tmp_path / "out.ckpt")]
+            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+            assert result.returncode == 2, (name, result.stderr[-2000:])
+            assert "Traceback" not in result.stderr and result.stderr.startswith("consolidate: "), result.stderr
+            assert not marker.exists(), name
+    measured = spawn(_refuse_everywhere, world_size=2, timeout=600, cases=cases, marker=str(marker))
+    for rank_measures in measured:
+        for what, (seconds, grown_mib) in rank_measures.items():
+            assert seconds < 30, (what, seconds)  # refused at load, before any training step
+            assert grown_mib < 100, (what, grown_mib)  # the 1 GB / 4 TB claims allocated nothing
+    assert not marker.exists()
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+def test_missing_checkpoint_on_the_command_line_is_one_clear_line(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "lightning_zero", "consolidate", str(tmp_path / "nope.ckpt"), "out.ckpt"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"consolidate: checkpoint '{tmp_path / 'nope.ckpt'}' does not exist"
+
+
+# ---------------------------------------------------------------------- saves killed at every point
+KILLS = [  # (format, kill point, epoch the resumed run starts at)
+    ("full", "start", 1),
+    ("full", "partial", 1),
+    ("full", "before-commit", 1),
+    ("full", "after-commit", 2),
+    ("full", "end", 2),
+    ("sharded", "partial", 1),
+    ("sharded", "before-commit", 1),
+    ("sharded", "after-commit", 2),
+    ("full-then-sharded", "between-renames", 1),  # a format change where renameat2 is not available
+]
+
+
+class _KillDuringSecondSave(Callback):
+    """Arms the kill at the start of epoch 1, so that the save at its end (the second one) dies at ``point``."""
+
+    def __init__(self, point: str, change_format: bool) -> None:
+        self.point, self.change_format = point, change_format
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            os.environ[KILL_AT] = f"{self.point}@last.ckpt"
+            if self.change_format:
+                import lightning_zero.engine.files as files
+
+                trainer.strategy.checkpoint_format = "sharded"  # type: ignore[attr-defined]
+                files.exchange = lambda a, b: False  # as on a file system without RENAME_EXCHANGE
+
+
+def _train_and_die(rank: int, world_size: int, directory: str, checkpoint_format: str, point: str) -> None:
+    torch.manual_seed(0)
+    callbacks = [
+        ModelCheckpoint(dirpath=directory, save_last=True),  # epoch=N-step=M.ckpt (top 1), then last.ckpt
+        _KillDuringSecondSave(point, change_format=checkpoint_format == "full-then-sharded"),
+    ]
+    strategy = _strategy("sharded" if checkpoint_format == "sharded" else "full")
+    trainer = quiet_trainer(
+        strategy=strategy, devices=world_size, max_epochs=3, enable_checkpointing=True, callbacks=callbacks
+    )
+    trainer.fit(_model())
+
+
+def _resume_each(rank: int, world_size: int, root: str) -> dict[str, int]:
+    torch.manual_seed(0)
+    ddp = _model()
+    quiet_trainer(strategy=DDPStrategy(), devices=world_size, max_epochs=3).fit(ddp)
+    resumed_at = {}
+    for checkpoint_format, point, epoch in KILLS:
+        directory = Path(root, f"{checkpoint_format}-{point}")
+        torch.manual_seed(1)  # everything must come from the checkpoint
+        model = _model()
+        fmt = "sharded" if checkpoint_format == "sharded" else "full"
+        callback = ModelCheckpoint(dirpath=directory, save_top_k=1, save_last=True)
+        trainer = quiet_trainer(
+            strategy=_strategy(fmt),
+            devices=world_size,
+            max_epochs=3,
+            enable_checkpointing=True,
+            callbacks=[callback],
+            limit_val_batches=1,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if point == "between-renames":
+                # Only here is last.ckpt missing; the checkpoint set aside is found through its path.
+                assert not (directory / "last.ckpt").exists()
+                trainer.fit(model, ckpt_path=str(directory / "last.ckpt"))
+            else:
+                trainer.fit(model, ckpt_path="last")  # Lightning's own resolution
+        resumed_at[point + "/" + checkpoint_format] = len(ddp.losses) - len(model.losses)
+        assert model.losses == ddp.losses[epoch * STEPS_PER_EPOCH :], (checkpoint_format, point)
+        for key, value in ddp.state_dict().items():
+            assert torch.equal(model.state_dict()[key], value), (checkpoint_format, point, key)
+        hidden = sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+        if point == "between-renames":  # the set-aside copy is never deleted by a save; it is warned about
+            assert len(hidden) == 1 and hidden[0].startswith(".last.ckpt.old-"), hidden
+            warned = any("set aside before it was interrupted" in str(w.message) for w in caught)
+            assert warned == (rank == 0)  # rank 0 tidies up, and warns
+        else:
+            assert hidden == [], (checkpoint_format, point, hidden)  # the next save removed the partial one
+        if fmt == "sharded":
+            assert len(list((directory / "last.ckpt").glob("shards-*"))) == 1
+        trainer.validate(model, ckpt_path="best", verbose=False)  # Lightning's "best" resolves and loads
+    return resumed_at
+
+
+def test_a_save_killed_at_any_point_resumes_from_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+    for checkpoint_format, point, _ in KILLS:
+        directory = tmp_path / f"{checkpoint_format}-{point}"
+        # The harness sees the killed rank exit, or the other rank's error about it, whichever comes first.
+        with pytest.raises(RuntimeError, match=f"exited with code {-signal.SIGKILL}|another rank exited or was killed"):
+            spawn(
+                _train_and_die,
+                world_size=2,
+                timeout=300,
+                directory=str(directory),
+                checkpoint_format=checkpoint_format,
+                point=point,
+            )
+        assert (directory / "last.ckpt").exists() == (point != "between-renames"), (checkpoint_format, point)
+    resumed_at = spawn(_resume_each, world_size=2, timeout=600, root=str(tmp_path))[0]
+    assert resumed_at == {f"{p}/{f}": e * STEPS_PER_EPOCH for f, p, e in KILLS}
+
+
+def _resume_from_a_linked_last(rank: int, world_size: int, root: str) -> None:
+    for checkpoint_format in ("full", "sharded"):
+        directory = Path(root, checkpoint_format)
+        for epochs, ckpt_path in ((1, None), (2, "last")):
+            torch.manual_seed(epochs)
+            model = _model()
+            callback = ModelCheckpoint(dirpath=directory, save_last="link")  # last.ckpt: a symlink
+            trainer = quiet_trainer(
+                strategy=_strategy(checkpoint_format),
+                devices=world_size,
+                max_epochs=epochs,
+                enable_checkpointing=True,
+                callbacks=[callback],
+            )
+            trainer.fit(model, ckpt_path=ckpt_path)
+        assert (directory / "last.ckpt").is_symlink()
+        assert len(model.losses) == STEPS_PER_EPOCH  # resumed through the link, one epoch left
+
+
+def test_last_checkpoint_as_a_symlink_resumes(tmp_path: Path) -> None:
+    spawn(_resume_from_a_linked_last, world_size=2, timeout=300, root=str(tmp_path))
+
+
+# ---------------------------------------------------------------------- saves that fail
+class _SaveLast(Callback):
+    """``last.ckpt`` at the end of every epoch: each save after the first replaces a complete checkpoint."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.directory / "last.ckpt")
+
+
+class _FailSecondSaveOnRankOne(Callback):
+    """Before the save at the end of epoch 1, rank 1 may write no file beyond 1 byte (``RLIMIT_FSIZE``), so its
+    writes fail with ``EFBIG`` as they would on a broken or full disk; restored right after."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 1 and trainer.global_rank == 1:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            self.limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1, self.limits[1]))
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if hasattr(self, "limits"):
+            resource.setrlimit(resource.RLIMIT_FSIZE, self.limits)
+
+
+def _fail_on_one_rank(rank: int, world_size: int, root: str) -> None:
+    for checkpoint_format in ("full", "sharded"):
+        directory = Path(root, checkpoint_format)
+        torch.manual_seed(0)
+        trainer = quiet_trainer(
+            strategy=_strategy(checkpoint_format),
+            devices=world_size,
+            max_epochs=3,
+            callbacks=[_FailSecondSaveOnRankOne(), _SaveLast(directory)],
+        )
+        with pytest.raises(CheckpointSaveError, match=r"failed on rank\(s\) \[.*1\].*File too large"):
+            trainer.fit(_model())
+        trainer.strategy.barrier()
+        assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt"]  # nothing left behind
+        if checkpoint_format == "sharded":
+            assert len(list((directory / "last.ckpt").glob("shards-*"))) == 1
+        assert consolidate_checkpoint(directory / "last.ckpt")["epoch"] == 0  # the previous one, intact
+
+
+def test_a_save_that_fails_on_one_rank_fails_everywhere_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    spawn(_fail_on_one_rank, world_size=2, timeout=300, root=str(tmp_path))
+
+
+class _FillTheDisk(Callback):
+    """Before the save at the end of epoch 1, leave less free space than one more checkpoint needs."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == 1 and trainer.is_global_zero:
+            size = _disk_usage(self.directory / "last.ckpt")
+            free = shutil.disk_usage(self.directory).free
+            (self.directory.parent / "filler").write_bytes(b"\0" * max(0, free - size // 2))
+        trainer.strategy.barrier()
+
+
+def _disk_usage(path: Path) -> int:
+    files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    return sum(p.stat().st_blocks * 512 for p in files)
+
+
+def _fill_the_disk(rank: int, world_size: int, root: str) -> dict[str, str]:
+    messages = {}
+    for checkpoint_format in ("full", "sharded"):
+        directory = Path(root, checkpoint_format)
+        torch.manual_seed(0)
+        trainer = quiet_trainer(
+            strategy=_strategy(checkpoint_format),
+            devices=world_size,
+            max_epochs=3,
+            callbacks=[_FillTheDisk(directory), _SaveLast(directory)],
+        )
+        with pytest.raises(CheckpointSaveError, match="No space left on device") as error:
+            trainer.fit(_model())
+        messages[checkpoint_format] = str(error.value)
+        trainer.strategy.barrier()
+        assert "A save needs free space for the whole new checkpoint" in str(error.value)
+        assert sorted(p.name for p in directory.iterdir()) == ["last.ckpt"]  # the space was given back
+        assert consolidate_checkpoint(directory / "last.ckpt")["epoch"] == 0
+        trainer.strategy.barrier()
+        if rank == 0:
+            (Path(root) / "filler").unlink()
+        trainer.strategy.barrier()
+        # With room again, training resumes from the intact checkpoint and saves.
+        torch.manual_seed(1)
+        model = _model()
+        quiet_trainer(
+            strategy=_strategy(checkpoint_format), devices=world_size, max_epochs=3, callbacks=[_SaveLast(directory)]
+        ).fit(model, ckpt_path=str(directory / "last.ckpt"))
+        assert len(model.losses) == 2 * STEPS_PER_EPOCH
+    return messages
+
+
+def test_a_full_disk_fails_cleanly_and_gives_the_space_back(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        spawn(_fill_the_disk, world_size=2, timeout=300, root=str(disk))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
