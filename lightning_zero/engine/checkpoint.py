@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.optim import Optimizer
 
+from lightning_zero.engine.files import atomic_torch_save, replace_directory, temporary_path
 from lightning_zero.engine.optimizer import is_param_shaped
 from lightning_zero.engine.sharded_model import ShardedModel
 
@@ -209,6 +211,32 @@ def _tensor_keys_only(keys: Any, saved: dict[str, Any]) -> None:
 def save_sharded(state: dict[str, Any], directory: Path) -> None:
     """Every rank writes its pieces of ``state`` into ``directory`` (a collective)."""
     dcp.save(state, storage_writer=dcp.FileSystemWriter(directory))
+
+
+def write_checkpoint_directory(
+    shards: dict[str, Any],
+    meta: dict[str, Any],
+    path: Path,
+    token: str,
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+) -> None:
+    """Write a sharded checkpoint directory at ``path`` atomically (a collective: call on every rank).
+
+    Every rank writes its ``shards`` (``sharded_model_state`` / ``sharded_optimizer_state``) into a
+    temporary directory named after ``token`` (the same string on every rank); rank 0 adds ``meta``
+    as ``meta.pt`` and, once all ranks are done, puts the directory in place of ``path``. Used by the
+    Trainer strategies and the Fabric strategies alike, so both write the same layout.
+    """
+    tmp = temporary_path(path, token)
+    save_sharded(shards, tmp)
+    if is_global_zero:
+        atomic_torch_save(meta, tmp / META_FILE)
+    barrier("lightning_zero.save")
+    if is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_directory(tmp, path)
+    barrier("lightning_zero.commit")
 
 
 def load_sharded(

@@ -29,7 +29,7 @@ from lightning_zero.engine.checkpoint import (
     checkpoint_meta,
     consolidate_state,
     load_sharded,
-    save_sharded,
+    write_checkpoint_directory,
 )
 from lightning_zero.engine.files import atomic_torch_save, find_checkpoint, replace_directory, temporary_path
 
@@ -59,20 +59,12 @@ def save(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None
     optimizers = strategy.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
     zero_meta = checkpoint_meta(strategy.sharded_model, optimizers)
     token = strategy.broadcast(uuid.uuid4().hex)
-    tmp = temporary_path(path, token)
     shards: dict[str, Any] = dict(checkpoint["state_dict"])
     for optimizer_state in checkpoint.get("optimizer_states", []):
         shards.update(optimizer_state)
-    save_sharded(shards, tmp)
-    if strategy.is_global_zero:
-        meta = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
-        meta["lightning_zero"] = zero_meta
-        atomic_torch_save(meta, tmp / META_FILE)
-    strategy.barrier("lightning_zero.save")
-    if strategy.is_global_zero:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        replace_directory(tmp, path)
-    strategy.barrier("lightning_zero.commit")
+    meta = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
+    meta["lightning_zero"] = zero_meta
+    write_checkpoint_directory(shards, meta, path, token, strategy.is_global_zero, strategy.barrier)
 
 
 def read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
