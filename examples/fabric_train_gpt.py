@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 
 sys.path.insert(0, str(Path(__file__).parent))  # the model and data of train_gpt.py, next to this file
-import lightning_zero  # noqa: E402, F401  registers "zero1", "zero2" and "zero3" with Fabric
-from train_gpt import GPT, CharTokenizer, GPTConfig  # noqa: E402
+from train_gpt import GPT, CharTokenizer, GPTConfig
+
+import lightning_zero  # noqa: F401  registers "zero1", "zero2" and "zero3" with Fabric
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision import MixedPrecision
 
 import lightning_zero  # noqa: F401  registers the strategy names with Fabric
 from lightning_zero.fabric import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
@@ -32,8 +33,11 @@ def _example() -> Any:
     return fabric_train_gpt
 
 
-def _fabric(strategy: Any, world_size: int, precision: str = "32-true") -> Fabric:
-    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size, precision=precision)
+def _fabric(strategy: Any, world_size: int, precision: Any = "32-true") -> Fabric:
+    if isinstance(precision, str):
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size, precision=precision)
+    else:  # a plugin, e.g. "16-mixed" on the CPU, which Fabric otherwise turns into "bf16-mixed"
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size, plugins=[precision])
     fabric.launch()
     return fabric
 
@@ -121,3 +125,96 @@ def test_save_load_resumes_exactly(tmp_path: Path) -> None:
     _assert_same_run(
         results["zero3->zero1"], {"losses": zero3["losses"][2:], "state": zero3["state"]}, False, "zero3->zero1"
     )
+
+
+def _features(rank: int, world_size: int) -> dict[str, Any]:
+    example = _example()
+    from train_gpt import GPT, GPTConfig
+
+    out: dict[str, Any] = {}
+    config = GPTConfig(vocab_size=32, n_layer=2, n_head=2, n_embd=16, block_size=8)
+    torch.manual_seed(1)
+    pretrained = GPT(config).state_dict()
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(rank))
+    reference = GPT(config)
+    reference.load_state_dict(pretrained)
+
+    # init_module: stage 3 builds on meta and creates the model sharded; pretrained weights load into the shards.
+    fabric = _fabric("zero3", world_size)
+    with fabric.init_module():
+        model = GPT(config)
+    out["built_on_meta"] = all(p.is_meta for p in model.parameters())
+    model = fabric.setup_module(model)
+    full_bytes = sum(p.numel() * 4 for p in reference.parameters())
+    out["param_bytes_fraction"] = fabric.strategy.sharded_model.memory_stats()["params"] / full_bytes
+    model.load_state_dict(pretrained)
+    out["pretrained_loaded"] = all(torch.equal(v, pretrained[k]) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        out["eval_matches"] = torch.equal(model(x), reference(x))
+    # User collectives next to the engine's.
+    out["all_reduce"] = fabric.all_reduce(torch.tensor(float(rank)), reduce_op="sum").item()
+    out["all_gather"] = fabric.all_gather(torch.tensor([rank])).flatten().tolist()
+    fabric.barrier()
+    try:
+        fabric.strategy._backward_sync_control.no_backward_sync(reference, True)
+        out["no_sync_error"] = None
+    except TypeError as error:
+        out["no_sync_error"] = str(error)
+    fabric.strategy.teardown()
+    out["released"] = all(p.numel() == pretrained[n].numel() for n, p in model.module.named_parameters())
+
+    # Precisions: the same loop under Fabric DDP and stage 3.
+    args = example.LoopArgs(steps=3)
+    tokens = example.corpus_tokens()
+    runs = {
+        "bf16-mixed/ddp": ("ddp", "bf16-mixed"),
+        "bf16-mixed/zero3": ("zero3", "bf16-mixed"),
+        "bf16-mixed/zero3-fp32-params": (ZeRO3Strategy(param_dtype=torch.float32), "bf16-mixed"),
+        "bf16-true/ddp": ("ddp", "bf16-true"),
+        "bf16-true/zero2": ("zero2", "bf16-true"),
+        "16-mixed/zero1": (ZeRO1Strategy(), MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))),
+    }
+    for name, (strategy, precision) in runs.items():
+        fabric = _fabric(strategy, world_size, precision)
+        out[name] = example.train(fabric, args, *tokens)["losses"]
+        if name == "16-mixed/zero1":
+            out["scaler"] = type(fabric.strategy.precision.scaler).__name__
+        fabric.strategy.teardown()
+    out["example_main"] = example.main(["--strategy", "zero2", "--devices", str(world_size), "--steps", "3"])["losses"]
+    return out
+
+
+def test_init_module_precisions_collectives_and_example() -> None:
+    out = spawn(_features, world_size=2)[0]
+    assert out["built_on_meta"]
+    assert out["param_bytes_fraction"] < 0.75  # half the parameters per rank, plus padding
+    assert out["pretrained_loaded"] and out["eval_matches"]
+    assert out["all_reduce"] == 1.0 and out["all_gather"] == [0, 1]
+    assert "fabric.setup" in out["no_sync_error"]
+    assert out["released"]
+    # fp32 parameters under autocast: Fabric DDP's own mixed precision, up to stage 3's rounding (accumulation,
+    # norm clipping) carried through bf16 autocast.
+    torch.testing.assert_close(out["bf16-mixed/zero3-fp32-params"], out["bf16-mixed/ddp"], rtol=1e-5, atol=0)
+    # bf16 compute copies of fp32 master shards (the default): the same run within bf16 rounding.
+    torch.testing.assert_close(out["bf16-mixed/zero3"], out["bf16-mixed/ddp"], rtol=1e-2, atol=0)
+    torch.testing.assert_close(out["bf16-true/zero2"], out["bf16-true/ddp"], rtol=1e-2, atol=0)
+    assert out["scaler"] == "ShardedGradScaler"
+    for name in ("16-mixed/zero1", "example_main"):
+        assert all(torch.isfinite(torch.tensor(out[name]))), name
+        assert out[name][-1] < out[name][0], name
+
+
+def test_options_and_errors_match_the_trainer_strategies() -> None:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    for name in ("zero1", "zero2", "zero3", "zero3_spawn", "zero2_full_checkpoint"):
+        assert name in STRATEGY_REGISTRY
+    assert isinstance(Fabric(strategy="zero3", accelerator="cpu", devices=2).strategy, ZeRO3Strategy)
+    assert Fabric(strategy="zero1_full_checkpoint", accelerator="cpu").strategy.checkpoint_format == "full"
+    with pytest.raises(TypeError, match="did you mean 'bucket_size_mb'"):
+        ZeRO2Strategy(bucket_sise_mb=2)
+    with pytest.raises(ValueError, match="apply to stage 3"):
+        ZeRO1Strategy(prefetch=2)
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        ZeRO3Strategy(checkpoint_format="zip")
+    assert ZeRO2Strategy().bucket_size_mb == 25.0 and ZeRO3Strategy().meta_init
