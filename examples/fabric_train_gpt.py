@@ -71,8 +71,8 @@ def batches(args: LoopArgs, fabric: Fabric, vocab_size: int, tokens: torch.Tenso
     return [torch.stack([tokens[o : o + block + 1] for o in row.tolist()]) for row in offsets]
 
 
-def train(fabric: Fabric, args: LoopArgs, vocab_size: int = 64, tokens: torch.Tensor | None = None) -> dict[str, Any]:
-    """The training loop; returns the losses of every step and the final full state dict (on every rank)."""
+def setup(fabric: Fabric, args: LoopArgs, vocab_size: int) -> dict[str, Any]:
+    """The model, optimizer and scheduler, set up with ``fabric``: the state that ``fabric.save`` writes."""
     fabric.seed_everything(args.seed)
     with fabric.init_module():
         model = GPT(GPTConfig(vocab_size=vocab_size, **args.model))
@@ -88,7 +88,13 @@ def train(fabric: Fabric, args: LoopArgs, vocab_size: int = 64, tokens: torch.Te
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
     )
-    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+
+
+def train(fabric: Fabric, args: LoopArgs, vocab_size: int = 64, tokens: torch.Tensor | None = None) -> dict[str, Any]:
+    """The training loop; returns the losses of every step and the final full state dict (on every rank)."""
+    state = setup(fabric, args, vocab_size)
+    model, optimizer, scheduler = state["model"], state["optimizer"], state["scheduler"]
     if args.resume:
         fabric.load(args.resume, state)
     data = batches(args, fabric, vocab_size, tokens)

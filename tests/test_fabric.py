@@ -17,7 +17,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
 
-import lightning_zero  # noqa: F401  registers the strategy names with Fabric
+import lightning_zero  # registers the strategy names with Fabric
 from lightning_zero.fabric import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from tests.distributed import spawn
 
@@ -109,10 +109,43 @@ def _resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return results
 
 
+def _load_at_one_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Checkpoints written by 2 ranks, loaded by 1 under another stage: what the files hold, in the shards."""
+    example = _example()
+    vocab_size, _ = example.corpus_tokens()
+    out = {}
+    for source, strategy in (("zero3", "zero2"), ("zero1", "zero3"), ("zero2_full", "zero1")):
+        fabric = _fabric(strategy, world_size)
+        state = example.setup(fabric, example.LoopArgs(steps=4), vocab_size)
+        rest = fabric.load(f"{root}/{source}", state)
+        expected = lightning_zero.consolidate_checkpoint(f"{root}/{source}")
+        if source.endswith("_full"):
+            expected = {"state_dict": expected["model"], "optimizer_states": [expected["optimizer"]]}
+        model_sd = state["model"].state_dict()
+        optimizer_sd = state["optimizer"].state_dict()
+        out[source] = {
+            "step": state["step"],
+            "rest": sorted(rest),
+            "model": all(torch.equal(model_sd[k], v) for k, v in expected["state_dict"].items()),
+            "optimizer": all(
+                torch.equal(optimizer_sd["state"][i][key], value)
+                for i, entry in expected["optimizer_states"][0]["state"].items()
+                for key, value in entry.items()
+            ),
+            "lr": state["scheduler"].get_last_lr() == [g["lr"] for g in optimizer_sd["param_groups"]],
+        }
+        fabric.strategy.teardown()
+    return out
+
+
 def test_save_load_resumes_exactly(tmp_path: Path) -> None:
     """fabric.save / fabric.load with model, optimizer, scheduler and a step counter: sharded by default, full
-    as an option; the resumed run continues as the uninterrupted one."""
+    as an option; the resumed run continues as the uninterrupted one; Fabric DDP's file loads under a stage and
+    the other way round; 2 ranks' checkpoints load at 1 rank under another stage."""
     results = spawn(_resume, world_size=2, root=str(tmp_path))[0]
+    at_one_rank = spawn(_load_at_one_rank, world_size=1, root=str(tmp_path))[0]
+    for source, loaded in at_one_rank.items():
+        assert loaded == {"step": 2, "rest": [], "model": True, "optimizer": True, "lr": True}, source
     assert results["sharded_is_dir"]
     for name in ("zero1", "zero3", "zero2_full", "ddp"):
         whole, resumed = results[name]["whole"], results[name]["resumed"]

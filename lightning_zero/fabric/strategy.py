@@ -6,22 +6,13 @@ loop; the engine (``lightning_zero.engine.ShardedModel``) owns parameters, gradi
 states. This class connects them at the hooks Fabric calls:
 
 - ``setup_module`` shards the module and returns a wrapper whose ``forward`` brackets the user's
-  forward (see [Note: Fabric steps]); ``setup_optimizer`` binds each optimizer to the shards;
+  forward (see [Note: Fabric steps] in ``wrapper.py``); ``setup_optimizer`` binds each optimizer to the shards;
 - ``backward`` ends the step, ``optimizer_step`` steps this rank's master pieces and all-gathers the
   updated shards, ``no_backward_sync`` defers the reduction, ``clip_gradients_*`` clip with the
   global norm;
 - ``save_checkpoint`` / ``load_checkpoint`` (``lightning_zero/fabric/checkpoint.py``) write and read the
   same sharded directories (or full files) as the Trainer strategies;
 - ``module_init_context`` records a meta-device construction so stage 3 creates the model sharded.
-
-[Note: Fabric steps]
-The Trainer calls ``training_step``, so the Trainer strategies bracket it. Fabric has no step: the
-user calls ``model(x)``, ``fabric.backward(loss)`` and ``optimizer.step()``. A forward with gradients
-enabled starts a step (rank 0's buffers on DDP's schedule; under stage 3 the root unit, the
-parameters the module uses outside any unit, gathered and held); ``fabric.backward`` ends it once the
-gradients are reduced, so the root unit is freed before the optimizer steps. A forward without
-gradients (evaluation) is a step of its own. An optimizer step closes a step left open (a forward
-whose loss was never back-propagated).
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Pr
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -55,7 +46,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -67,6 +58,7 @@ from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.scaler import ShardedGradScaler
 from lightning_zero.fabric import checkpoint
+from lightning_zero.fabric.wrapper import ShardedForward, StepBracket, ZeROBackwardSyncControl
 from lightning_zero.strategies.options import (
     CheckpointFormat,
     StartMethod,
@@ -161,10 +153,10 @@ class ZeROFabricStrategy(ParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self._start_method = start_method
         self._num_nodes = 1
-        self._backward_sync_control = _ZeROBackwardSyncControl()
+        self._backward_sync_control = ZeROBackwardSyncControl()
         self._sharded: ShardedModel | None = None
         self._meta_init: InitTrace | None = None
-        self._step_open = False
+        self._steps: StepBracket | None = None
         self._mesh: DeviceMesh | None = None
         self.skipped_steps = 0
 
@@ -256,7 +248,7 @@ class ZeROFabricStrategy(ParallelStrategy):
     @override
     def setup_module(self, module: Module) -> Module:
         """Shard ``module`` (in place: it keeps its parameters, which become views of the shards) and return a
-        wrapper whose forward brackets the step (see [Note: Fabric steps])."""
+        wrapper whose forward brackets the step (see [Note: Fabric steps] in ``wrapper.py``)."""
         if self._sharded is not None:
             raise RuntimeError(
                 f"{type(self).__name__} shards one model per Fabric; set up the other modules as submodules of one "
@@ -295,7 +287,8 @@ class ZeROFabricStrategy(ParallelStrategy):
             scaler.all_reduce = self._sharded.comm.all_reduce
             scaler.comm_device = self._sharded.units[0].device
             plugin.scaler = scaler
-        return ShardedForward(module, self)
+        self._steps = StepBracket(self._sharded)
+        return ShardedForward(module, self._steps)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -306,25 +299,9 @@ class ZeROFabricStrategy(ParallelStrategy):
             _optimizers_to_device([optimizer], self.root_device)
         return optimizer
 
-    def run_forward(self, module: Module, args: Any, kwargs: Any) -> Any:
-        """The forward of ``ShardedForward``: ``module(*args, **kwargs)`` inside a step (see [Note: Fabric steps])."""
-        sharded = self.sharded_model
-        if torch.is_grad_enabled():
-            sharded.begin_step()
-            self._step_open = True
-            return module(*args, **kwargs)
-        held = sharded.root_held  # evaluation in the middle of an open step keeps its hold
-        sharded.begin_step(training=False)
-        try:
-            return module(*args, **kwargs)
-        finally:
-            if not held:
-                sharded.end_step()
-
     def _end_step(self) -> None:
-        if self._step_open and self._sharded is not None:
-            self._step_open = False
-            self._sharded.end_step()
+        if self._steps is not None:
+            self._steps.end()
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
@@ -419,6 +396,7 @@ class ZeROFabricStrategy(ParallelStrategy):
         if self._sharded is not None:
             self._sharded.release()
             self._sharded = None
+            self._steps = None
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints
@@ -502,35 +480,6 @@ class ZeROFabricStrategy(ParallelStrategy):
         holder = [obj]
         torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
         return holder[0]
-
-
-class ShardedForward(nn.Module):
-    """What ``fabric.setup`` wraps in place of the user's module: ``forward`` runs the module inside a step
-    (see [Note: Fabric steps]). The user's module is ``.module``; its parameters are this wrapper's."""
-
-    def __init__(self, module: Module, strategy: ZeROFabricStrategy) -> None:
-        super().__init__()
-        self.module = module
-        self._strategy = [strategy]  # in a list: not an nn.Module attribute, not in state_dict
-
-    @override
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._strategy[0].run_forward(self.module, args, kwargs)
-
-
-class _ZeROBackwardSyncControl(_BackwardSyncControl):
-    @override
-    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
-        """``fabric.no_backward_sync(model)``: gradients accumulate without being reduced (stage 1: full local
-        gradients; stages 2 and 3 reduce each micro-batch into the sharded gradient, as they must to free it)."""
-        if not enabled:
-            return nullcontext()
-        if not isinstance(module, ShardedForward):
-            raise TypeError(
-                "no_backward_sync needs the model fabric.setup returned under a ZeRO strategy, got "
-                f"{type(module).__name__}"
-            )
-        return module._strategy[0].sharded_model.no_sync()
 
 
 def _check_precision(plugin: Precision) -> Precision:
