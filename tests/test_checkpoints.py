@@ -179,8 +179,8 @@ def _load_into_wider(rank: int, world_size: int, root: str) -> None:
 # ---------------------------------------------------------------------- interrupted saves
 def _train_then_crash_while_saving(root: str, crash: str) -> None:
     """Runs in a child process (world size 1): save epoch 0, then die in the middle of saving epoch 1."""
+    import lightning_zero.engine.checkpoint as checkpointing  # where the sharded directory is written
     import lightning_zero.engine.files as files
-    import lightning_zero.strategies.checkpointing as checkpointing
 
     real_save, real_replace = checkpointing.save_sharded, files.os.replace
 
