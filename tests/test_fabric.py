@@ -251,3 +251,63 @@ def test_options_and_errors_match_the_trainer_strategies() -> None:
     with pytest.raises(ValueError, match="checkpoint_format"):
         ZeRO3Strategy(checkpoint_format="zip")
     assert ZeRO2Strategy().bucket_size_mb == 25.0 and ZeRO3Strategy().meta_init
+
+
+def _trainer_and_fabric(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A Trainer's checkpoints (sharded and full) resumed by Fabric, and Fabric's loaded by a Trainer, for the same
+    LightningModule (Fabric sets it up as a plain module: the parameter names match)."""
+    _example()
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+    from train_gpt import GPTConfig, GPTLightning
+
+    from tests.models import quiet_trainer
+
+    config = GPTConfig(vocab_size=32, n_layer=2, n_head=2, n_embd=16, block_size=8)
+    tokens = torch.randint(0, 32, (16, 9), generator=torch.Generator().manual_seed(0))
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    torch.manual_seed(0)
+    trained = GPTLightning(config, max_steps=2)
+    every_step = ModelCheckpoint(dirpath=root, filename="trainer", every_n_train_steps=2)
+    trainer = quiet_trainer(
+        strategy="zero3", devices=world_size, max_steps=2, callbacks=[every_step], enable_checkpointing=True
+    )
+    trainer.fit(trained, data)  # a sharded checkpoint at step 2
+    trainer.save_checkpoint(f"{root}/trainer-full.ckpt")  # after fit, the full (released) model: one file
+    saved_model = {k: v.clone() for k, v in trained.state_dict().items()}
+    saved_optimizer = trainer.optimizers[0].state_dict()  # full, per-parameter: the strategy released the shards
+
+    out: dict[str, Any] = {}
+    for source in ("trainer.ckpt", "trainer-full.ckpt"):
+        fabric = _fabric("zero1", world_size)
+        module = GPTLightning(config, max_steps=2)
+        with fabric.init_module():
+            module.configure_model()
+        model = fabric.setup_module(module)
+        optimizer = fabric.setup_optimizers(module.configure_optimizers()["optimizer"])
+        rest = fabric.load(f"{root}/{source}", {"model": model, "optimizer": optimizer})
+        loaded = optimizer.state_dict()["state"]
+        out[source] = {
+            "model": all(torch.equal(v, saved_model[k]) for k, v in model.state_dict().items()),
+            "optimizer": all(
+                torch.equal(loaded[i][key], value)
+                for i, entry in saved_optimizer["state"].items()
+                for key, value in entry.items()
+            ),
+            "global_step": rest["global_step"],
+        }
+        if source == "trainer.ckpt":
+            fabric.save(f"{root}/fabric", {"model": model, "optimizer": optimizer})
+        fabric.strategy.teardown()
+
+    validated = GPTLightning(config, max_steps=2)
+    trainer = quiet_trainer(strategy="zero2", devices=world_size)
+    trainer.validate(validated, data, ckpt_path=f"{root}/fabric")
+    out["fabric->trainer"] = all(torch.equal(v, saved_model[k]) for k, v in validated.state_dict().items())
+    return out
+
+
+def test_checkpoints_move_between_trainer_and_fabric(tmp_path: Path) -> None:
+    out = spawn(_trainer_and_fabric, world_size=2, root=str(tmp_path))[0]
+    expected = {"model": True, "optimizer": True, "global_step": 2}
+    assert out == {"trainer.ckpt": expected, "trainer-full.ckpt": expected, "fabric->trainer": True}

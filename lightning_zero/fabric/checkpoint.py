@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import lightning
 from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
@@ -86,6 +87,8 @@ def save_sharded_state(
     zero_meta = checkpoint_meta(sharded, optimizers)
     zero_meta[LAYOUT] = {"module": module_key, "optimizers": optimizer_keys}
     meta["lightning_zero"] = zero_meta
+    # What a Trainer checks first when it loads a checkpoint (ckpt_path=...): the directory is its format too.
+    meta.setdefault("pytorch-lightning_version", lightning.__version__)
     token = strategy.broadcast(uuid.uuid4().hex)
     write_checkpoint_directory(shards, meta, path, token, strategy.is_global_zero, strategy.barrier)
 
@@ -109,11 +112,32 @@ def load_state(
         return checkpoint
     if path.is_dir():
         return _load_directory(strategy, path, state, checkpoint, strict)
+    if "state_dict" in checkpoint and "state_dict" not in state:
+        _from_trainer_layout(strategy, checkpoint, state)
     _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
     for key, obj in list(state.items()):
         if key in checkpoint:
             state[key] = _restore(strategy, obj, checkpoint.pop(key), strict)
     return checkpoint
+
+
+def _from_trainer_layout(strategy: ZeROFabricStrategy, checkpoint: dict[str, Any], state: dict[str, Any]) -> None:
+    """A Trainer's full checkpoint (``state_dict``, ``optimizer_states``): renamed to the keys of ``state`` that
+    hold the sharded model and its optimizers, in order."""
+    module_key = next((k for k, v in state.items() if _is_sharded_module(strategy, v)), None)
+    if module_key is None:
+        return
+    checkpoint[module_key] = checkpoint.pop("state_dict")
+    sharded = strategy.sharded_model
+    optimizer_keys = [k for k, v in state.items() if isinstance(v, Optimizer) and v in sharded.optimizers]
+    saved = checkpoint.get("optimizer_states", [])
+    if optimizer_keys and len(saved) != len(optimizer_keys):
+        raise ValueError(
+            f"the checkpoint has {len(saved)} optimizers, the state passed to fabric.load has {len(optimizer_keys)}"
+        )
+    if optimizer_keys:
+        checkpoint.pop("optimizer_states")
+        checkpoint.update(zip(optimizer_keys, saved))
 
 
 def _restore(strategy: ZeROFabricStrategy, obj: Any, value: Any, strict: bool) -> Any:
