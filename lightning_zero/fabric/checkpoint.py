@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from lightning_zero.fabric.strategy import ZeROFabricStrategy
 
 LAYOUT = "fabric"
+VERSION_KEY = "pytorch-lightning_version"
 
 
 def save_full_state(
@@ -88,7 +89,7 @@ def save_sharded_state(
     zero_meta[LAYOUT] = {"module": module_key, "optimizers": optimizer_keys}
     meta["lightning_zero"] = zero_meta
     # What a Trainer checks first when it loads a checkpoint (ckpt_path=...): the directory is its format too.
-    meta.setdefault("pytorch-lightning_version", lightning.__version__)
+    meta.setdefault(VERSION_KEY, lightning.__version__)
     token = strategy.broadcast(uuid.uuid4().hex)
     write_checkpoint_directory(shards, meta, path, token, strategy.is_global_zero, strategy.barrier)
 
@@ -174,6 +175,8 @@ def _load_directory(
         optimizer_keys = wanted if len(wanted) == len(saved_optimizers) else saved_optimizers
     else:
         module_key, optimizer_keys = layout["module"], layout["optimizers"]
+        if VERSION_KEY not in state:
+            meta.pop(VERSION_KEY, None)  # added by save_sharded_state for the Trainer, not one of the user's entries
     _validate_keys_for_strict_loading(state.keys(), [*meta, module_key, *optimizer_keys], strict=strict)
     if module_key not in state or not _is_sharded_module(strategy, state[module_key]):
         raise ValueError(
