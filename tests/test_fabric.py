@@ -19,6 +19,7 @@ from lightning.fabric.plugins.precision import MixedPrecision
 
 import lightning_zero  # registers the strategy names with Fabric
 from lightning_zero.fabric import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
+from lightning_zero.strategies.precision import NonFiniteGradientError
 from tests.distributed import spawn
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -196,6 +197,21 @@ def _features(rank: int, world_size: int) -> dict[str, Any]:
     fabric.strategy.teardown()
     out["released"] = all(p.numel() == pretrained[n].numel() for n, p in model.module.named_parameters())
 
+    # Non-finite gradients: every rank raises, or every rank skips the step (nonfinite_grads="skip").
+    for policy in ("raise", "skip"):
+        fabric = _fabric(ZeRO2Strategy(nonfinite_grads=policy), world_size)
+        plain = GPT(config)
+        model, optimizer = fabric.setup(plain, torch.optim.AdamW(plain.parameters()))  # joint setup
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        fabric.backward(model(x).sum() * (float("inf") if rank == 1 else 1.0))
+        try:
+            optimizer.step()
+            out[policy] = fabric.strategy.skipped_steps
+        except NonFiniteGradientError as error:
+            out[policy] = type(error).__name__
+        out[f"{policy} unchanged"] = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        fabric.strategy.teardown()
+
     # Precisions: the same loop under Fabric DDP and stage 3.
     args = example.LoopArgs(steps=3)
     tokens = example.corpus_tokens()
@@ -225,6 +241,8 @@ def test_init_module_precisions_collectives_and_example() -> None:
     assert out["all_reduce"] == 1.0 and out["all_gather"] == [0, 1]
     assert "fabric.setup" in out["no_sync_error"]
     assert out["released"]
+    assert out["raise"] == "NonFiniteGradientError" and out["skip"] == 1
+    assert out["raise unchanged"] and out["skip unchanged"]
     # fp32 parameters under autocast: Fabric DDP's own mixed precision, up to stage 3's rounding (accumulation,
     # norm clipping) carried through bf16 autocast.
     torch.testing.assert_close(out["bf16-mixed/zero3-fp32-params"], out["bf16-mixed/ddp"], rtol=1e-5, atol=0)
