@@ -221,6 +221,7 @@ def _features(rank: int, world_size: int) -> dict[str, Any]:
         "bf16-mixed/zero3-fp32-params": (ZeRO3Strategy(param_dtype=torch.float32), "bf16-mixed"),
         "bf16-true/ddp": ("ddp", "bf16-true"),
         "bf16-true/zero2": ("zero2", "bf16-true"),
+        "bf16-true/zero3": ("zero3", "bf16-true"),  # built on meta in bf16 by init_module, created sharded
         "16-mixed/zero1": (ZeRO1Strategy(), MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))),
     }
     for name, (strategy, precision) in runs.items():
@@ -249,6 +250,7 @@ def test_init_module_precisions_collectives_and_example() -> None:
     # bf16 compute copies of fp32 master shards (the default): the same run within bf16 rounding.
     torch.testing.assert_close(out["bf16-mixed/zero3"], out["bf16-mixed/ddp"], rtol=1e-2, atol=0)
     torch.testing.assert_close(out["bf16-true/zero2"], out["bf16-true/ddp"], rtol=1e-2, atol=0)
+    torch.testing.assert_close(out["bf16-true/zero3"], out["bf16-true/ddp"], rtol=1e-2, atol=0)
     assert out["scaler"] == "ShardedGradScaler"
     for name in ("16-mixed/zero1", "example_main"):
         assert all(torch.isfinite(torch.tensor(out[name]))), name

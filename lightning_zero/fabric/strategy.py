@@ -28,7 +28,7 @@ import torch.distributed
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
@@ -42,7 +42,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -56,8 +56,8 @@ from lightning_zero.engine import Comm, ShardedModel, module_class_policy, owns_
 from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
-from lightning_zero.engine.scaler import ShardedGradScaler
 from lightning_zero.fabric import checkpoint
+from lightning_zero.fabric.precision import check_precision, shard_scaler, skip_nonfinite_step
 from lightning_zero.fabric.wrapper import ShardedForward, StepBracket, ZeROBackwardSyncControl
 from lightning_zero.strategies.options import (
     CheckpointFormat,
@@ -69,7 +69,7 @@ from lightning_zero.strategies.options import (
     validate_options,
     validate_overlap_options,
 )
-from lightning_zero.strategies.precision import PRECISIONS, NonFiniteGradientError, NonFinitePolicy
+from lightning_zero.strategies.precision import NonFinitePolicy
 
 USER_REDUCE = "fabric.all_reduce in user code"
 
@@ -254,15 +254,7 @@ class ZeROFabricStrategy(ParallelStrategy):
                 f"{type(self).__name__} shards one model per Fabric; set up the other modules as submodules of one "
                 "nn.Module, or use another Fabric for them"
             )
-        plugin = _check_precision(self.precision)
-        mixed = isinstance(plugin, MixedPrecision)
-        if self.param_dtype is not None and not mixed:
-            raise ValueError(
-                f"param_dtype={self.param_dtype} applies to mixed precision (Fabric(precision='bf16-mixed' or "
-                f"'16-mixed')); with precision={plugin.precision!r} parameters keep the module's dtype. Remove "
-                "param_dtype or choose a mixed precision."
-            )
-        default_param_dtype = (torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16) if mixed else None
+        param_dtype = check_precision(self.precision, self.param_dtype)
         trace = self._meta_init if has_meta_tensors(module) else None
         policy = owns_parameters if self.unit_modules is None else module_class_policy(self.unit_modules)
         self._sharded = ShardedModel(
@@ -271,7 +263,7 @@ class ZeROFabricStrategy(ParallelStrategy):
             comm=Comm(checks=self.collective_checks),
             policy=policy,
             broadcast_buffers=self.broadcast_buffers,
-            param_dtype=self.param_dtype or default_param_dtype,
+            param_dtype=param_dtype,
             reduce_dtype=self.reduce_dtype,
             offload_optimizer=self.offload_optimizer,
             device=self.root_device,
@@ -282,11 +274,7 @@ class ZeROFabricStrategy(ParallelStrategy):
         )
         self._meta_init = None
         self._sharded.comm.register_names([USER_REDUCE])
-        if mixed and plugin.scaler is not None:  # "16-mixed": one overflow decision for all ranks' shards
-            scaler = ShardedGradScaler.like(plugin.scaler, self.root_device.type)
-            scaler.all_reduce = self._sharded.comm.all_reduce
-            scaler.comm_device = self._sharded.units[0].device
-            plugin.scaler = scaler
+        shard_scaler(self.precision, self._sharded, self.root_device.type)
         self._steps = StepBracket(self._sharded)
         return ShardedForward(module, self._steps)
 
@@ -319,26 +307,11 @@ class ZeROFabricStrategy(ParallelStrategy):
         sharded = self.sharded_model
         scaler = getattr(self.precision, "scaler", None)
         if scaler is None and self.nonfinite_grads != "ignore":
-            self._check_finite(optimizer)
+            self.skipped_steps += skip_nonfinite_step(sharded, optimizer, self.nonfinite_grads, self.skipped_steps)
         with sharded.on_shards(optimizer):
             output = self.precision.optimizer_step(optimizer, **kwargs)
         sharded.after_optimizer_step(optimizer)
         return output
-
-    def _check_finite(self, optimizer: Optimizer) -> None:
-        ranks, local = self.sharded_model.nonfinite_grads(optimizer)
-        if not ranks:
-            return
-        where = f"rank(s) {ranks}" + (f" (here: {', '.join(local[:5])})" if local else "")
-        if self.nonfinite_grads == "raise":
-            raise NonFiniteGradientError(
-                f"non-finite gradients (inf or NaN) on {where}; the step was not applied. Lower the learning rate, "
-                "clip gradients (fabric.clip_gradients), check the data, or pass nonfinite_grads='skip' to skip such "
-                "steps on all ranks."
-            )
-        self.sharded_model.drop_grads(optimizer)
-        self.skipped_steps += 1
-        rank_zero_warn(f"skipped an optimizer step: non-finite gradients on {where} ({self.skipped_steps} so far)")
 
     @override
     def clip_gradients_norm(
@@ -480,12 +453,3 @@ class ZeROFabricStrategy(ParallelStrategy):
         holder = [obj]
         torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
         return holder[0]
-
-
-def _check_precision(plugin: Precision) -> Precision:
-    if type(plugin) in (Precision, MixedPrecision, HalfPrecision):
-        return plugin
-    raise ValueError(
-        f"the ZeRO strategies support precision in {PRECISIONS}; got the plugin {type(plugin).__name__} "
-        f"(precision={getattr(plugin, 'precision', '?')!r}). Pass one of those to Fabric(precision=...)."
-    )
