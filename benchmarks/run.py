@@ -2,7 +2,7 @@
 
     python -m benchmarks.run                                   # engine mode, every system, 2 CPU ranks
     python -m benchmarks.run --steps 20 --repeats 3 --systems ddp,zero1,zero3,fsdp2
-    python -m benchmarks.run --mode trainer --steps 10         # through lightning.Trainer
+    python -m benchmarks.run --mode trainer --steps 10         # through lightning.Trainer (and Fabric: fabric-*)
     python benchmarks/run.py --config tiny --steps 2 --repeats 1
     python -m benchmarks.run --summarize benchmarks/results/X.jsonl   # recompute a file's summary and table
 
@@ -31,7 +31,21 @@ from benchmarks.results import jsonl_writer, markdown_table, summarize
 from benchmarks.systems import DEFAULT_SYSTEMS, SYSTEMS
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TRAINER_SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp2", "ds-zero1", "ds-zero2", "ds-zero3")
+TRAINER_SYSTEMS = (
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "fsdp",
+    "fsdp2",
+    "ds-zero1",
+    "ds-zero2",
+    "ds-zero3",
+    "fabric-ddp",
+    "fabric-zero1",
+    "fabric-zero2",
+    "fabric-zero3",
+)
 
 
 def _worker(rank: int, world_size: int, options: dict[str, Any]) -> None:

@@ -10,7 +10,8 @@ Systems: ``ddp`` (``DDPStrategy``), ``zero1``/``zero2``/``zero3`` (ours, ``unit_
 ``collective_checks="off"``), ``fsdp`` (Lightning's ``FSDPStrategy``, FSDP1, one unit per ``Block``),
 ``fsdp2`` (``ModelParallelStrategy`` with ``fully_shard`` per ``Block`` and root in ``configure_model``)
 and ``ds-zero1``/``ds-zero2``/``ds-zero3`` (``DeepSpeedStrategy``, which Lightning allows on CUDA only:
-reported as failed with Lightning's reason on CPU).
+reported as failed with Lightning's reason on CPU). ``fabric-ddp`` and ``fabric-zero1``/``2``/``3`` run the same
+model in a Fabric loop (``fabric_mode.py``), so Fabric's rows sit next to the Trainer's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.counting import CommCounter, register_counted_allreduce
 from benchmarks.engine_mode import describe_error, gather_results, quiet_warnings, rotated
+from benchmarks.fabric_mode import FABRIC_LABELS, measure_fabric
 from benchmarks.footprint import (
     StateBytes,
     current_rss_bytes,
@@ -260,7 +262,11 @@ def run_trainer_mode(rank: int, world_size: int, options: dict[str, Any], emit: 
 
     for repeat in range(options["repeats"]):
         for name in rotated(list(options["systems"]), repeat):
-            everyone = gather_results(measure_trainer(name, options, make_module, counter, world_size))
+            if name.startswith("fabric-"):  # the same model in a hand-written Fabric loop
+                result = measure_fabric(name, options, config, state, data, adamw, counter, world_size)
+            else:
+                result = measure_trainer(name, options, make_module, counter, world_size)
+            everyone = gather_results(result)
             if rank == 0:
-                label, stage = LABELS[name]
+                label, stage = {**LABELS, **FABRIC_LABELS}[name]
                 emit(merge_ranks(everyone, system=name, label=label, theory_stage=stage, repeat=repeat, meta=meta))

@@ -8,12 +8,15 @@ Example::
     trainer = L.Trainer(strategy="zero3", accelerator="cpu", devices=2)
     trainer.fit(model)
 
+Fabric users: ``Fabric(strategy="zero3")`` after the same import, or the classes in ``lightning_zero.fabric``.
+
 ``lightning_zero.check_parity(model, stage=3)`` trains a few steps of your module under ``DDPStrategy``
 and under a stage, and reports loss, gradient-norm and parameter differences.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero import fabric  # registers "zero1", "zero2" and "zero3" with Fabric
 from lightning_zero.estimate import MemoryEstimate, StrategyEstimate, estimate_memory
 from lightning_zero.parity import ParityReport, check_parity
 from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
@@ -33,6 +36,7 @@ __all__ = [
     "check_parity",
     "consolidate_checkpoint",
     "estimate_memory",
+    "fabric",
 ]
 
 for _strategy, _name in ((ZeRO1Strategy, "zero1"), (ZeRO2Strategy, "zero2"), (ZeRO3Strategy, "zero3")):

@@ -55,3 +55,21 @@ def test_benchmark_runs_and_our_stages_match_ddp(tmp_path: Path) -> None:
     table = out.with_suffix(".md").read_text()
     assert "| `zero3` lightning_zero stage 3 |" in table
     assert "`zero3`" in done.stdout
+
+
+def test_benchmark_fabric_rows_match_ddp(tmp_path: Path) -> None:
+    """``--mode trainer`` with the ``fabric-*`` systems: a hand-written Fabric loop per stage, next to DDP."""
+    out = tmp_path / "bench.jsonl"
+    systems = "ddp,fabric-ddp,fabric-zero1,fabric-zero3"
+    command = [sys.executable, "-m", "benchmarks.run", "--mode", "trainer", "--config", "tiny", "--steps", "2"]
+    command += ["--warmup", "1", "--repeats", "1", "--systems", systems, "--timeout", "120", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    runs = {r["system"]: r for r in records if r["kind"] == "run"}
+    rows = {row["system"]: row for row in records[-1]["rows"]}
+    for name in systems.split(",")[1:]:
+        assert runs[name]["status"] == "ok", runs[name]["reason"]
+        assert rows[name]["max_loss_diff_vs_ddp"] <= 1e-5, name
+    assert 0.75 <= rows["fabric-zero3"]["comm_vs_theory"] <= 1.05
+    assert rows["fabric-zero3"]["state_bytes"] < rows["fabric-ddp"]["state_bytes"] / 1.5

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.optim import Optimizer
 
+from lightning_zero.engine.files import atomic_torch_save, commit, temporary_path
 from lightning_zero.engine.optimizer import is_param_shaped
 from lightning_zero.engine.safe_read import SAVE_ID_PREFIX, CorruptCheckpointError, SafeFileSystemReader
 from lightning_zero.engine.sharded_model import ShardedModel
@@ -221,6 +223,29 @@ def _dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, **kwargs: Any
         dcp.load(state, storage_reader=reader, **kwargs)
     except CheckpointException as err:
         raise CorruptCheckpointError(f"{str(reader.path)!r} could not be read, nothing was loaded: {err}") from err
+
+
+def write_checkpoint_directory(
+    shards: dict[str, Any],
+    meta: dict[str, Any],
+    path: Path,
+    token: str,
+    is_global_zero: bool,
+    barrier: Callable[[str], None],
+    rank: int,
+) -> None:
+    """Write a sharded checkpoint directory at ``path`` (format 2: ``meta.pt`` beside ``shards-<token>/``), committed
+    by one rename (a collective: call on every rank with the same ``token``). The Fabric strategies use it; the
+    Trainer strategies' ``strategies/saving.py`` writes the same layout, with failure reports from every rank."""
+    tmp = temporary_path(path, token)
+    save_sharded(shards, tmp / f"{SHARDS_PREFIX}{token}", token, rank)
+    barrier("lightning_zero.save")
+    if is_global_zero:
+        meta = {**meta, "lightning_zero": {**meta["lightning_zero"], "save_id": token}}
+        atomic_torch_save(meta, tmp / META_FILE)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        commit(tmp, path)
+    barrier("lightning_zero.commit")
 
 
 def load_sharded(

@@ -66,7 +66,9 @@ from lightning_zero.strategies.memory_report import MemoryReport, memory_report
 from lightning_zero.strategies.options import (
     CheckpointFormat,
     StartMethod,
+    bucket_numel,
     check_option_names,
+    default_bucket_size_mb,
     parse_dtype,
     validate_options,
     validate_overlap_options,
@@ -184,9 +186,7 @@ class ZeROStrategy(ParallelStrategy):
             meta_init=meta_init,
         )
         validate_overlap_options(self.stage, bucket_size_mb, prefetch, reshard_after_forward)
-        # Default buckets only where the units are ours to choose: unit_modules given means those units.
-        default_buckets = bucket_size_mb is None and self.stage < 3 and unit_modules is None
-        self.bucket_size_mb = 25.0 if default_buckets else bucket_size_mb
+        self.bucket_size_mb = default_bucket_size_mb(self.stage, unit_modules, bucket_size_mb)
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = parse_dtype("param_dtype", param_dtype)
@@ -345,7 +345,7 @@ class ZeROStrategy(ParallelStrategy):
             meta_init=self._meta_init,
             prefetch=self.prefetch,
             reshard_after_forward=self.reshard_after_forward,
-            bucket_numel=_bucket_numel(self.bucket_size_mb, self.model),
+            bucket_numel=bucket_numel(self.bucket_size_mb, self.model),
         )
         self._meta_init = None
         self._sharded.comm.register_names([LIGHTNING_REDUCE])
@@ -650,13 +650,6 @@ class ZeROStrategy(ParallelStrategy):
                 self._sharded.comm.check_next("all_reduce", LIGHTNING_REDUCE, tensor.numel(), tensor.device)
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-
-def _bucket_numel(bucket_size_mb: float | None, module: Module) -> int:
-    if not bucket_size_mb:
-        return 0
-    element = next((p.element_size() for p in module.parameters()), 4)
-    return int(bucket_size_mb * 2**20) // element
 
 
 def _move_real_tensors(module: Module, device: torch.device) -> None:

@@ -140,3 +140,19 @@ def validate_overlap_options(stage: int, bucket_size_mb: Any, prefetch: Any, res
             f"prefetch and reshard_after_forward apply to stage 3 (stage {stage} never frees parameters); "
             "remove them or use ZeRO3Strategy"
         )
+
+
+def default_bucket_size_mb(stage: int, unit_modules: Any, bucket_size_mb: float | None) -> float | None:
+    """``bucket_size_mb`` as the strategies use it: 25 MB by default for stages 1 and 2 where the units are ours to
+    choose (``unit_modules`` given means exactly those units), otherwise what was passed."""
+    if bucket_size_mb is None and stage < 3 and unit_modules is None:
+        return 25.0
+    return bucket_size_mb
+
+
+def bucket_numel(bucket_size_mb: float | None, module: Module) -> int:
+    """The engine's ``bucket_numel`` for ``bucket_size_mb`` megabytes of ``module``'s parameters (0: no buckets)."""
+    if not bucket_size_mb:
+        return 0
+    element = next((p.element_size() for p in module.parameters()), 4)
+    return int(bucket_size_mb * 2**20) // element

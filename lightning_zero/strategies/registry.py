@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import inspect
+from typing import Any
 
 from lightning.fabric.strategies import _StrategyRegistry
 
-if TYPE_CHECKING:
-    from lightning_zero.strategies.base import ZeROStrategy
 
-
-def register_presets(registry: _StrategyRegistry, cls: type[ZeROStrategy], name: str, description: str) -> None:
-    """``name`` and its variants, as Lightning registers ``ddp``, ``ddp_spawn``, ``ddp_fork``, ..."""
+def register_presets(registry: _StrategyRegistry, cls: type, name: str, description: str) -> None:
+    """``name`` and its variants, as Lightning registers ``ddp``, ``ddp_spawn``, ``ddp_fork``, ... (the Trainer's
+    registry and Fabric's alike; a variant whose option ``cls`` does not take is left out)."""
     presets: dict[str, tuple[str, dict[str, Any]]] = {
         name: ("", {}),
         f"{name}_spawn": (", processes started with 'spawn'", {"start_method": "spawn"}),
@@ -20,6 +19,7 @@ def register_presets(registry: _StrategyRegistry, cls: type[ZeROStrategy], name:
         f"{name}_sharded_checkpoint": (", sharded checkpoint directories", {"checkpoint_format": "sharded"}),
         f"{name}_stats": (", communication and memory logged every step", {"log_stats": True}),
     }
+    options = inspect.signature(cls.__init__).parameters
     for preset, (extra, init_params) in presets.items():
-        if preset not in registry:
+        if preset not in registry and all(option in options for option in init_params):
             registry.register(preset, cls, description=description + extra, **init_params)
