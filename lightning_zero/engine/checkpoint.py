@@ -144,10 +144,10 @@ def piece_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: int)
     state_dict = optimizer.state_dict()
     # state_dict() shares the per-parameter dicts with optimizer.state: copy before replacing entries.
     state_dict["state"] = {idx: dict(entry) for idx, entry in state_dict["state"].items()}
-    shard_params = [p for group in optimizer.param_groups for p in group["params"]]
+    held = [p for group in optimizer.param_groups for p in group["params"]]  # the module's parameters
     for idx, entry in state_dict["state"].items():
-        shard_param = shard_params[idx]
-        param, piece = model._param_of[shard_param]
+        param, piece = model._param_of[held[idx]]
+        shard_param = model._shard_of[param][0]  # shaped like this rank's piece, as the state is
         for key, value in entry.items():
             if is_param_shaped(key, value, shard_param):
                 name = f"optim/{index}/{idx}/{key}"

@@ -105,7 +105,7 @@ def load_state(
 ) -> dict[str, Any]:
     """Restore ``state`` in place from a checkpoint of either format; return what was not restored."""
     path = find_checkpoint(path)
-    checkpoint = read_meta(path, weights_only)
+    checkpoint = read_meta(path, weights_only, lightning_file=False)  # Fabric's files hold the user's keys
     if isinstance(state, (Module, Optimizer)):  # fabric.load_raw
         if path.is_dir():
             raise ValueError(f"{str(path)!r} is a sharded checkpoint: load it with fabric.load(path, state_dict)")

@@ -65,7 +65,7 @@ def save(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None
         atomic_torch_save(checkpoint, path)
 
 
-def read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
+def read_meta(path: Path, weights_only: bool | None, lightning_file: bool = True) -> dict[str, Any]:
     """``meta.pt`` of a sharded checkpoint, or the whole dict of a full one (tensors memory-mapped, on the CPU)."""
     if path.is_dir():
         root = path.resolve()
@@ -86,7 +86,7 @@ def read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
             )
         return meta
     checkpoint = load_torch_file(path.resolve(), weights_only)  # the path may be a link (save_last="link")
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+    if not isinstance(checkpoint, dict) or (lightning_file and not isinstance(checkpoint.get("state_dict"), dict)):
         raise CorruptCheckpointError(
             f"{str(path)!r} is not a Lightning checkpoint (it has no 'state_dict' entry). A plain state dict "
             "loads with model.load_state_dict(torch.load(path)); a checkpoint of another library needs that "
