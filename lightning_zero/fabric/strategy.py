@@ -70,11 +70,12 @@ from lightning_zero.strategies.options import (
     validate_overlap_options,
 )
 from lightning_zero.strategies.precision import NonFinitePolicy
+from lightning_zero.strategies.topology import ProcessTopology
 
 USER_REDUCE = "fabric.all_reduce in user code"
 
 
-class ZeROFabricStrategy(ParallelStrategy):
+class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
     """Shared base of the Fabric ``ZeRO1Strategy``, ``ZeRO2Strategy`` and ``ZeRO3Strategy``; use those.
 
     The options mean what they mean for the Trainer strategies (``lightning_zero.ZeROStrategy``), with
@@ -161,33 +162,6 @@ class ZeROFabricStrategy(ParallelStrategy):
         self.skipped_steps = 0
 
     # ------------------------------------------------------------------ processes (as Fabric's DDPStrategy)
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

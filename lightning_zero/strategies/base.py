@@ -75,12 +75,13 @@ from lightning_zero.strategies.options import (
 )
 from lightning_zero.strategies.precision import NonFinitePolicy, ZeROPrecision
 from lightning_zero.strategies.stats import log_step_stats
+from lightning_zero.strategies.topology import ProcessTopology
 
 log = logging.getLogger(__name__)
 LIGHTNING_REDUCE = "Lightning's reduce (self.log(..., sync_dist=True))"
 
 
-class ZeROStrategy(ParallelStrategy):
+class ZeROStrategy(ProcessTopology, ParallelStrategy):
     """Shared base of ``ZeRO1Strategy``, ``ZeRO2Strategy`` and ``ZeRO3Strategy``; use those.
 
     Args:
@@ -222,33 +223,6 @@ class ZeROStrategy(ParallelStrategy):
     def is_distributed(self) -> bool:
         """Tells Lightning to give each rank its own part of the data (a ``DistributedSampler``)."""
         return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @override
     def _configure_launcher(self) -> None:
