@@ -117,3 +117,12 @@ def test_a_folded_module_run_outside_its_unit_is_named_on_the_first_step() -> No
         with sharded.step_context():
             good(x).sum().backward()
     assert not sharded.stage3._fold_checks  # removed after the first training step: later steps pay nothing
+
+
+def test_the_benchmark_gpt_gets_exactly_the_hand_chosen_block_units() -> None:
+    from benchmarks.model import CONFIGS, BenchGPT
+    from lightning_zero.engine import module_class_policy
+
+    model = BenchGPT(CONFIGS["tiny"])
+    by_hand = plan_units(model, module_class_policy(["Block"]))
+    assert [(p.name, p.param_names) for p in plan_units(model)] == [(p.name, p.param_names) for p in by_hand]
