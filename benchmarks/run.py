@@ -31,7 +31,20 @@ from benchmarks.results import jsonl_writer, markdown_table, summarize
 from benchmarks.systems import DEFAULT_SYSTEMS, SYSTEMS
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TRAINER_SYSTEMS = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp2", "ds-zero1", "ds-zero2", "ds-zero3")
+TRAINER_SYSTEMS = (
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero1-defaults",
+    "zero2-defaults",
+    "zero3-defaults",
+    "fsdp",
+    "fsdp2",
+    "ds-zero1",
+    "ds-zero2",
+    "ds-zero3",
+)
 
 
 def _worker(rank: int, world_size: int, options: dict[str, Any]) -> None:
