@@ -149,13 +149,14 @@ def build_fsdp2(ctx: BuildContext) -> Trainee:
 class _ShardedTrainee:
     """Our engine, driven as ``ShardedModel``'s docstring shows."""
 
-    def __init__(self, ctx: BuildContext, stage: int, checks: str = "off", **options: Any) -> None:
+    def __init__(
+        self, ctx: BuildContext, stage: int, checks: str = "off", block_units: bool = True, **options: Any
+    ) -> None:
         from lightning_zero.engine import Comm, ShardedModel, module_class_policy
 
         self.model = ctx.model()
-        self.sharded = ShardedModel(
-            self.model, stage=stage, comm=Comm(checks=checks), policy=module_class_policy(["Block"]), **options
-        )
+        policy = module_class_policy(["Block"]) if block_units else None  # None: the default units
+        self.sharded = ShardedModel(self.model, stage=stage, comm=Comm(checks=checks), policy=policy, **options)
         self.optimizer = ctx.adamw.make(self.model.parameters())
         self.sharded.bind_optimizer(self.optimizer)
 
@@ -269,6 +270,7 @@ def build_deepspeed(stage: int) -> Callable[[BuildContext], Trainee]:
 
 # ---------------------------------------------------------------------------------------- registry
 
+DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4  # the strategies' bucket_size_mb=25 without unit_modules, in fp32 elements
 SYSTEMS: dict[str, SystemSpec] = {
     spec.name: spec
     for spec in (
@@ -286,6 +288,20 @@ SYSTEMS: dict[str, SystemSpec] = {
             3,
             build_ours(3, checks="auto"),
             family="ours",
+        ),
+        *(
+            SystemSpec(
+                f"zero{s}-defaults",
+                f"lightning_zero stage {s}, the strategies' defaults (default units"
+                + (", 25 MB buckets" if s < 3 else "")
+                + ", collective_checks='auto')",
+                s,
+                build_ours(
+                    s, checks="auto", block_units=False, **({"bucket_numel": DEFAULT_BUCKET_NUMEL} if s < 3 else {})
+                ),
+                family="ours",
+            )
+            for s in (1, 2, 3)
         ),
         SystemSpec(
             "zero3-keep",

@@ -50,6 +50,9 @@ LABELS = {
     "zero1": ("lightning_zero ZeRO1Strategy", 1),
     "zero2": ("lightning_zero ZeRO2Strategy", 2),
     "zero3": ("lightning_zero ZeRO3Strategy", 3),
+    "zero1-defaults": ("lightning_zero ZeRO1Strategy(), the defaults", 1),
+    "zero2-defaults": ("lightning_zero ZeRO2Strategy(), the defaults", 2),
+    "zero3-defaults": ("lightning_zero ZeRO3Strategy(), the defaults", 3),
     "fsdp": ("Lightning FSDPStrategy (FSDP1, per Block)", 3),
     "fsdp2": ("Lightning ModelParallelStrategy (FSDP2, per Block + root)", 3),
     "ds-zero1": ("Lightning DeepSpeedStrategy stage 1", 1),
@@ -158,11 +161,12 @@ def make_strategy(name: str, module: BenchModule, world_size: int) -> Any:
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy()  # StepMeter makes its all-reduces countable
-    if name in ("zero1", "zero2", "zero3"):
+    if name.startswith("zero") and name.removesuffix("-defaults") in ("zero1", "zero2", "zero3"):
         from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
 
-        cls = {"zero1": ZeRO1Strategy, "zero2": ZeRO2Strategy, "zero3": ZeRO3Strategy}[name]
-        kwargs: dict[str, Any] = {"unit_modules": ["Block"], "collective_checks": "off"}
+        base = name.removesuffix("-defaults")
+        cls = {"zero1": ZeRO1Strategy, "zero2": ZeRO2Strategy, "zero3": ZeRO3Strategy}[base]
+        kwargs: dict[str, Any] = {} if name != base else {"unit_modules": ["Block"], "collective_checks": "off"}
         if "meta_init" in inspect.signature(ZeROStrategy.__init__).parameters:
             # Build the real model in configure_model, from the reference weights, as every other system does
             # (meta_init would create the layers with their own reset_parameters()).

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from lightning_zero.engine.grouping import module_class_policy, owns_parameters, plan_units
+from lightning_zero.engine.grouping import module_class_policy, plan_units
 from lightning_zero.engine.layout import ShardLayout
 from lightning_zero.estimate_text import format_bytes, render
 
@@ -243,7 +243,7 @@ def _count_numel(numel: int, world_size: int, largest_unit_params: int | None) -
 
 def _plan(model: nn.Module, unit_modules: Sequence[type[nn.Module] | str] | None) -> list[tuple[list[int], list[bool]]]:
     """Each unit's parameter numels and which are trainable, as the engine would group them."""
-    policy = owns_parameters if unit_modules is None else module_class_policy(list(unit_modules))
+    policy = None if unit_modules is None else module_class_policy(list(unit_modules))
     return [([p.numel() for p in u.params], [p.requires_grad for p in u.params]) for u in plan_units(model, policy)]
 
 

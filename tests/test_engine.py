@@ -104,7 +104,7 @@ def _zero_grad_semantics(rank: int, world_size: int) -> None:
         model = copy.deepcopy(reference)
         ddp = DistributedDataParallel(reference)
         ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        sharded = ShardedModel(model, stage=stage, comm=Comm())
+        sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=owns_parameters)  # a unit per layer
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sharded.bind_optimizer(opt)
         data = torch.Generator().manual_seed(rank)
@@ -451,7 +451,7 @@ def _attention(rank: int, world_size: int) -> None:
     reference = _AttentionNet()
     model = copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference)
-    sharded = ShardedModel(model, 3, Comm())
+    sharded = ShardedModel(model, 3, Comm(), policy=owns_parameters)  # MHA atomic even then
     assert [u.name for u in sharded.units] == ["attn", "head"]
     ref_opt, opt = torch.optim.Adam(ddp.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
     sharded.bind_optimizer(opt)

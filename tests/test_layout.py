@@ -7,7 +7,7 @@ import torch
 
 import lightning_zero.engine.layout as layout_module
 import lightning_zero.engine.memory as memory_module
-from lightning_zero.engine.grouping import module_class_policy, plan_units
+from lightning_zero.engine.grouping import module_class_policy, owns_parameters, plan_units
 from lightning_zero.engine.layout import ShardLayout
 from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
 
@@ -67,7 +67,7 @@ def test_tied_weights_go_to_the_common_ancestor_unit() -> None:
     model.blocks = torch.nn.Sequential(Block(), Block())
     model.head = torch.nn.Linear(2, 5, bias=False)
     model.head.weight = model.emb.weight
-    plans = plan_units(model)
+    plans = plan_units(model, owns_parameters)
     assert [p.name for p in plans] == ["<root>", "blocks.0.fc", "blocks.1.fc"]  # "head" owns nothing of its own
     assert plans[0].param_names == ["emb.weight"]
     by_class = plan_units(model, module_class_policy(["Block"]))

@@ -17,13 +17,17 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
 
 import lightning_zero  # noqa: F401  registers the strategy names
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
-STRATEGIES = ("zero1", "zero2", "zero3")
+STRATEGIES = ("zero1", "zero2", "zero3", "zero3-per-layer")
+# ParityNet has no repeated blocks, so the default units put it all in the root unit; "zero3-per-layer" keeps one
+# unit per layer (the default of earlier releases), so that gathers, releases and reductions per unit are compared too.
+FACTORIES = {"zero3-per-layer": lambda: ZeRO3Strategy(unit_modules=[nn.Linear, nn.LayerNorm, nn.BatchNorm1d])}
 
 
 class GradNormRecorder(Callback):
@@ -63,7 +67,7 @@ def _compare(rank: int, world_size: int, cases: list[tuple]) -> None:
         ddp = _train(DDPStrategy(find_unused_parameters=True), world_size, model_kwargs, trainer_kwargs)
         assert ddp["trained"], "the reference did not train: the comparison would prove nothing"
         for name in only[0] if only else STRATEGIES:
-            got = _train(name, world_size, model_kwargs, trainer_kwargs)
+            got = _train(FACTORIES[name]() if name in FACTORIES else name, world_size, model_kwargs, trainer_kwargs)
             where = f"{name} {model_kwargs} {trainer_kwargs} rank {rank}"
             assert len(got["losses"]) == len(ddp["losses"]), where
             assert got["lrs"] == ddp["lrs"], where

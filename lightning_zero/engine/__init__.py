@@ -4,7 +4,7 @@ See ``sharded_model.ShardedModel`` for the entry point and ``layout.py`` for the
 """
 
 from lightning_zero.engine.comm import CollectiveMismatchError, Comm, CommStats
-from lightning_zero.engine.grouping import module_class_policy, owns_parameters, plan_units
+from lightning_zero.engine.grouping import default_unit_policy, module_class_policy, owns_parameters, plan_units
 from lightning_zero.engine.init_trace import MetaInitError, record_meta_init
 from lightning_zero.engine.layout import ParamShard, ShardLayout, ShardRange
 from lightning_zero.engine.optimizer import UnsupportedOptimizerError, check_elementwise
@@ -24,6 +24,7 @@ __all__ = [
     "UnitState",
     "UnsupportedOptimizerError",
     "check_elementwise",
+    "default_unit_policy",
     "module_class_policy",
     "owns_parameters",
     "plan_units",

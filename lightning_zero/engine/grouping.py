@@ -1,14 +1,39 @@
 """Which parameters form which unit.
 
 A *unit root* is a module whose parameters are gathered and reduced together. The top module is
-always a unit root; the others are chosen by a policy (by default: every module that owns
-parameters directly). Every parameter belongs to exactly one unit: that of the nearest unit root
+always a unit root; the others are chosen by a policy (by default ``default_unit_policy``, see
+[Note: default units]). Every parameter belongs to exactly one unit: that of the nearest unit root
 enclosing *all* modules that own it. So a weight tied between ``wte`` and ``lm_head`` lands in the
 unit of their closest common ancestor, and is gathered whenever either of them runs.
 
 Some modules read their children's parameters without calling the children (``nn.MultiheadAttention``
 uses ``out_proj.weight`` directly). Their whole subtree is one unit whatever the policy says
 (``ATOMIC_MODULES``), so that everything they read is gathered when they run.
+
+[Note: default units]
+One unit per module that owns parameters (``owns_parameters``) makes every ``Linear`` and ``LayerNorm``
+a collective and, under stage 3, a pair of hooks: on small and medium models that costs 2-8x DDP's
+step. Hand-chosen units are the model's repeated blocks (``unit_modules=["Block"]``). The default,
+``default_unit_policy``, finds them from the module tree alone:
+
+1. *Repeated blocks.* Walking down from the top, the first ``nn.ModuleList`` / ``nn.Sequential`` met
+   on a path whose children include at least two parameter-holding instances of one class makes
+   every parameter-holding child of that class a unit root (the transformer layers of GPT-2,
+   Llama, BERT, OPT, ViT, LitGPT; the stages of a ResNet; a ``Sequential`` stack of ``Linear``). The
+   walk does not descend into a block: its norms, biases and projections fold into it.
+2. *Large leaves.* Outside blocks, a module that owns at least ``min_unit_numel`` parameter
+   elements of its own (a big ``Linear``, an unshared embedding) is a unit root.
+3. *Everything else* folds into the nearest enclosing unit root: small modules (norms, biases,
+   position embeddings, heads) outside blocks into the root unit, which a step holds gathered
+   throughout (see [Note: prefetch] in ``stage3.py``), so they cost no collective of their own.
+
+Why these roots are safe: a unit is gathered by a forward pre-hook on its root module, so a module
+folded into a unit must run only inside that root's forward. The root unit is held for the whole
+step, so anything may fold into it. A block's forward is what calls the block's own layers in every
+model we know; containers (``ModuleList``, ``ModuleDict``, ``Sequential``), whose forward a model may
+never call (it iterates over them), are never made unit roots. Since this cannot be known from the
+module tree alone, stage 3 verifies it on the first training step (``Stage3Hooks``, [Note: folded
+modules]) and names the module that ran outside its unit, pointing to ``unit_modules``.
 """
 
 from __future__ import annotations
@@ -33,9 +58,62 @@ class UnitPlan:
     param_names: list[str]
 
 
+CONTAINER_MODULES: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+DEFAULT_MIN_UNIT_NUMEL = 2**20
+
+
 def owns_parameters(_name: str, module: nn.Module) -> bool:
-    """The default policy: a module that registers parameters of its own is a unit root."""
+    """A policy that makes every module that registers parameters of its own a unit root (the finest grain)."""
     return any(True for _ in module.parameters(recurse=False))
+
+
+def default_unit_policy(module: nn.Module, min_unit_numel: int = DEFAULT_MIN_UNIT_NUMEL) -> UnitPolicy:
+    """The policy used when none is given: repeated blocks and large leaves of ``module`` are unit roots
+    (see [Note: default units]).
+
+    Example::
+
+        policy = default_unit_policy(gpt)        # gpt.transformer.h is an nn.ModuleList of Block
+        [p.name for p in plan_units(gpt, policy)]
+        # ['<root>', 'transformer.h.0', 'transformer.h.1', ...]
+    """
+    roots: set[int] = set()
+    in_blocks: set[int] = set()
+
+    def holds_parameters(m: nn.Module) -> bool:
+        return any(True for _ in m.parameters())
+
+    def walk(m: nn.Module) -> None:
+        if isinstance(m, ATOMIC_MODULES):
+            return
+        children = [c for c in m.children() if holds_parameters(c)]
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            by_class: dict[type[nn.Module], list[nn.Module]] = {}
+            for child in children:
+                # A compiled block (``torch.compile(block)``, an ``OptimizedModule``) counts as the class it wraps;
+                # the wrapper is the unit root, so that the unit's hooks run outside the compiled code.
+                if not isinstance(compiled_original(child), CONTAINER_MODULES):
+                    by_class.setdefault(type(compiled_original(child)), []).append(child)
+            for group in by_class.values():
+                if len(group) >= 2:
+                    for child in group:
+                        roots.add(id(child))
+                        in_blocks.update(id(d) for d in child.modules())
+        for child in children:
+            if id(child) not in in_blocks:
+                walk(child)
+
+    walk(module)
+    for m in module.modules():
+        if id(m) in in_blocks or isinstance(m, CONTAINER_MODULES):
+            continue
+        if sum(p.numel() for p in m.parameters(recurse=False)) >= min_unit_numel:
+            roots.add(id(m))
+
+    def policy(_name: str, m: nn.Module) -> bool:
+        return id(m) in roots
+
+    return policy
 
 
 def module_class_policy(classes: Sequence[type[nn.Module] | str]) -> UnitPolicy:
@@ -60,12 +138,21 @@ def _common_prefix(paths: list[str]) -> str:
     return ".".join(common)
 
 
-def plan_units(module: nn.Module, policy: UnitPolicy = owns_parameters) -> list[UnitPlan]:
+def compiled_original(module: nn.Module) -> nn.Module:
+    """The module that ``torch.compile(module)`` wrapped (an ``OptimizedModule``), else ``module`` itself."""
+    original = getattr(module, "_orig_mod", None)
+    return original if isinstance(original, nn.Module) else module
+
+
+def plan_units(module: nn.Module, policy: UnitPolicy | None = None) -> list[UnitPlan]:
     """Assign every parameter of ``module`` to one unit (see module docstring); empty units are dropped.
+    ``policy=None``: ``default_unit_policy(module)``.
 
     Units come in module registration order; the top module's unit (if it has parameters) is named
     ``"<root>"``.
     """
+    if policy is None:
+        policy = default_unit_policy(module)
     modules = dict(module.named_modules(remove_duplicate=False))
     atomic = [name for name, m in modules.items() if name and isinstance(m, ATOMIC_MODULES)]
     inside_atomic = {name for name in modules for a in atomic if name.startswith(a + ".")}

@@ -25,7 +25,7 @@ from lightning_zero.engine.full_state import (
     load_full_optimizer_state_dict,
 )
 from lightning_zero.engine.grads import GradReducer
-from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, bucket_units, owns_parameters, plan_units
+from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, bucket_units, plan_units
 from lightning_zero.engine.init_trace import InitTrace
 from lightning_zero.engine.layout import ParamShard
 from lightning_zero.engine.materialize import has_meta_tensors, materialize_units
@@ -59,7 +59,7 @@ class ShardedModel:
         module: nn.Module,
         stage: int,
         comm: Comm,
-        policy: UnitPolicy = owns_parameters,
+        policy: UnitPolicy | None = None,
         broadcast_buffers: bool = True,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
@@ -139,7 +139,11 @@ class ShardedModel:
         self.reducer = GradReducer(self.units, reduce_every_micro_batch=stage >= 2)
         if stage == 3:
             self.stage3 = Stage3Hooks(
-                self.units, self.reducer.queue_finish, prefetch=prefetch, reshard_after_forward=reshard_after_forward
+                self.units,
+                self.reducer.queue_finish,
+                prefetch=prefetch,
+                reshard_after_forward=reshard_after_forward,
+                root=module,
             )
             self.reducer.after_unit_reduced = self.stage3.after_unit_reduced
             self.reducer.after_backward = self.stage3.after_backward

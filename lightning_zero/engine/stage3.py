@@ -24,6 +24,16 @@ branches) is used outside any submodule's forward, in ``training_step`` itself: 
 ``ShardedModel.begin_step`` / ``end_step`` *hold* it (``hold`` / ``unhold``), and the hooks above
 leave a held unit gathered. Outside steps (a callback calling the model) it is gathered just in
 time like any other unit.
+
+[Note: folded modules]
+A module that owns parameters but is not a unit root is *folded* into the unit of an enclosing module
+(see [Note: default units] in ``grouping.py``), whose forward pre-hook gathers them. That is right only
+if the folded module runs inside that forward (or while the unit is held). The module tree cannot
+tell; the first training step does: a forward pre-hook on every folded module checks that its unit
+is gathered, and raises ``FoldedModuleError`` naming the module and the unit otherwise (instead of
+computing with placeholder values, which read NaN). The checks are removed when the first training
+step ends, so later steps pay nothing. Modules inside compiled code are not checked (a hook there
+would break the graph once and force a recompile).
 """
 
 from __future__ import annotations
@@ -37,6 +47,10 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_zero.engine.compiled import outside_graphs
 from lightning_zero.engine.unit import ShardedUnit
+
+
+class FoldedModuleError(RuntimeError):
+    """A module folded into a unit ran while that unit was not gathered (see [Note: folded modules])."""
 
 
 class Stage3Hooks:
@@ -55,8 +69,10 @@ class Stage3Hooks:
         queue_finish: Callable[[], None],
         prefetch: int = 1,
         reshard_after_forward: bool = True,
+        root: torch.nn.Module | None = None,
     ) -> None:
         self.units = units
+        self.root = root  # the whole model: where compiled code is looked for (see [Note: folded modules])
         self.queue_finish = queue_finish
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -67,17 +83,53 @@ class Stage3Hooks:
         self.backward_order = _Order()
         self._training = False
         self._backward_started = False
+        self._fold_checks: list[Any] = []
 
     def install(self) -> None:
         for unit in self.units:
             module = unit.module
             self._handles.append(module.register_forward_pre_hook(outside_graphs(self._pre_forward(unit))))
             self._handles.append(module.register_forward_hook(outside_graphs(self._post_forward(unit))))
+        self._install_fold_checks()
+
+    def _install_fold_checks(self) -> None:
+        """See [Note: folded modules]."""
+        compiled: set[int] = set()
+        for top in [self.root] if self.root is not None else [u.module for u in self.units]:
+            for module in top.modules():
+                if _is_compiled(module):
+                    compiled.update(id(m) for m in module.modules())
+        for unit in self.units:
+            mine = {id(p) for p in unit.params}
+            for name, module in unit.module.named_modules():
+                if id(module) in compiled or module is unit.module:
+                    continue
+                if not any(id(p) in mine for p in module.parameters(recurse=False)):
+                    continue
+                where = name if unit.name.startswith("<") else f"{unit.name}.{name}"
+                self._fold_checks.append(module.register_forward_pre_hook(self._check_folded(unit, where)))
+
+    def _check_folded(self, unit: ShardedUnit, where: str):
+        def hook(_module: torch.nn.Module, _args: Any) -> None:
+            if self._training and not (unit.is_unsharded and not unit.gather_in_flight):
+                raise FoldedModuleError(
+                    f"{where!r} ({type(_module).__name__}) ran outside the forward of {unit.name!r}, the unit its "
+                    "parameters belong to, so they were not gathered. Name the classes whose forward calls it as units "
+                    "(ZeRO3Strategy(unit_modules=[...]), e.g. the model's block class), or make it a unit itself."
+                )
+
+        return hook
+
+    def _remove_fold_checks(self) -> None:
+        for handle in self._fold_checks:
+            handle.remove()
+        self._fold_checks.clear()
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._remove_fold_checks()
 
     # ------------------------------------------------------------------ prefetch
     def begin_forward(self, training: bool) -> None:
@@ -150,6 +202,8 @@ class Stage3Hooks:
                 unit.reshard()
 
     def end_step(self) -> None:
+        if self._training and self._fold_checks:
+            self._remove_fold_checks()  # the first training step has run them
         self.forward_order.finish()
         self._training = False
         if not self.in_backward:
@@ -205,3 +259,8 @@ class _Order:
             self.recorded = self._recording or None
             self._recording = None
         self._position = None
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs as compiled code (``torch.compile(module)`` or ``module.compile()``)."""
+    return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None

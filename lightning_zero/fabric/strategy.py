@@ -52,7 +52,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import Comm, ShardedModel, module_class_policy, owns_parameters
+from lightning_zero.engine import Comm, ShardedModel, module_class_policy
 from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
@@ -230,7 +230,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             )
         param_dtype = check_precision(self.precision, self.param_dtype)
         trace = self._meta_init if has_meta_tensors(module) else None
-        policy = owns_parameters if self.unit_modules is None else module_class_policy(self.unit_modules)
+        policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
         self._sharded = ShardedModel(
             module,
             stage=self.stage,

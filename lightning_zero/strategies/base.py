@@ -48,7 +48,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import Comm, CommStats, ShardedModel, module_class_policy, owns_parameters
+from lightning_zero.engine import Comm, CommStats, ShardedModel, module_class_policy
 from lightning_zero.engine.checkpoint import (
     piece_optimizer_state,
     piece_state_dict,
@@ -87,9 +87,9 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     Args:
         unit_modules: Which modules form a *unit*, the parameters gathered and reduced together
             (one collective each): module classes, or class names as strings (``"Block"`` or
-            ``"my_pkg.model.Block"``). ``None`` (default): every module that owns parameters
-            directly. Stage 3 holds one gathered unit at a time, so transformer blocks are a
-            good choice for large models. The ``LightningModule`` itself is always a unit.
+            ``"my_pkg.model.Block"``). ``None`` (default): the model's repeated blocks and its
+            largest leaves, small modules joining the root unit (``engine.default_unit_policy``; see
+            ``docs/stages.md``). The ``LightningModule`` itself is always a unit.
         broadcast_buffers: Copy rank 0's buffers (e.g. BatchNorm statistics) to every rank before
             each training step, as ``DDPStrategy`` does by default.
         process_group_backend: ``"gloo"``, ``"nccl"``, ... Default: NCCL on CUDA, gloo on CPU.
@@ -305,7 +305,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         with record_meta_init(self.root_device, self._meta_init) if built_on_meta else nullcontext():
             self.model = precision.convert_module(self.model)  # a cast of meta layers is replayed too
         self.model_to_device()
-        policy = owns_parameters if self.unit_modules is None else module_class_policy(self.unit_modules)
+        policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
         self._sharded = ShardedModel(
             self.model,
             stage=self.stage,

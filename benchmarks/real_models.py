@@ -1,0 +1,143 @@
+"""Step time of stage 3 with the default units against DDP on the real-model matrix (``tests/real_models.py``).
+
+Engine mode, as ``benchmarks.run``: the same tiny GPT-2, Llama, BERT, OPT, LitGPT, ResNet and ViT (library
+initialization, one seed), the same per-rank batches for every system, ``zero_grad`` / forward / backward /
+AdamW step, every system in the same processes, the order rotated per repeat. Systems:
+
+- ``ddp``: ``DistributedDataParallel`` (the reference);
+- ``zero3-defaults``: ``ShardedModel(stage=3)`` with the strategies' defaults (default units, ``checks="auto"``);
+- ``zero3-per-layer``: one unit per module that owns parameters (``owns_parameters``, the old default).
+
+Usage::
+
+    python -m benchmarks.real_models                      # 2 CPU ranks, 3 repeats of 12 timed steps
+    python -m benchmarks.real_models --models gpt2,resnet --steps 6 --repeats 1
+
+Prints one markdown row per model: each system's median step time (best repeat; a step counts as long as
+its slowest rank) and its ratio to DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+SYSTEMS = ("ddp", "zero3-defaults", "zero3-per-layer")
+
+
+def _batch(name: str, step: int, rank: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from tests.real_models import dataset
+
+    data = dataset(name, batch_size, seed=1000 * step + rank)
+    return data.tensors[0], data.tensors[1]
+
+
+def _loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    from tests.real_models import logits
+
+    out = logits(name, model, x)
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, batch_size: int) -> list[float]:
+    from lightning_zero.engine import Comm, ShardedModel, owns_parameters
+    from tests.real_models import build
+
+    torch.manual_seed(0)
+    model = build(name)
+    sharded = None
+    if system == "ddp":
+        wrapped: nn.Module = DistributedDataParallel(model)
+    else:
+        policy = None if system == "zero3-defaults" else owns_parameters
+        sharded = ShardedModel(model, stage=3, comm=Comm(checks="auto"), policy=policy)
+        wrapped = model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if sharded is not None:
+        sharded.bind_optimizer(optimizer)
+    times = []
+    for step in range(warmup + steps):
+        x, y = _batch(name, step, rank, batch_size)
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        if sharded is not None:
+            with sharded.step_context():
+                _loss(name, wrapped, x, y).backward()
+        else:
+            _loss(name, wrapped, x, y).backward()
+        optimizer.step()
+        if sharded is not None:
+            sharded.after_optimizer_step(optimizer)
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= warmup:
+            times.append(float(elapsed))
+    if sharded is not None:
+        sharded.release(gather=False)
+    return times
+
+
+def _run(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    medians: dict[str, dict[str, list[float]]] = {}
+    for name in options["models"]:
+        medians[name] = {s: [] for s in SYSTEMS}
+        for repeat in range(options["repeats"]):
+            order = SYSTEMS[repeat % len(SYSTEMS) :] + SYSTEMS[: repeat % len(SYSTEMS)]
+            for system in order:
+                times = _time_system(name, system, rank, options["steps"], options["warmup"], options["batch_size"])
+                medians[name][system].append(statistics.median(times))
+    return medians
+
+
+def main(argv: list[str] | None = None) -> str:
+    from lightning_zero.processes import run_on_cpu_ranks
+    from tests.real_models import NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(NAMES))
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args(argv)
+    options = {
+        "models": args.models.split(","),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "batch_size": args.batch_size,
+    }
+    result = run_on_cpu_ranks(_run, args.world_size, timeout=3600, options=options)[0]
+    lines = [
+        "| model | " + " | ".join(f"{s} (ms)" for s in SYSTEMS) + " | " + " | ".join(f"{s} / ddp" for s in SYSTEMS[1:]),
+        "|---" * (2 * len(SYSTEMS)) + "|",
+    ]
+    for name, per_system in result.items():
+        best = {s: min(v) for s, v in per_system.items()}
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{1000 * best[s]:.1f}" for s in SYSTEMS)
+            + " | "
+            + " | ".join(f"{best[s] / best['ddp']:.2f}" for s in SYSTEMS[1:])
+            + " |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()
