@@ -31,7 +31,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine.control import CollectiveMismatchError, ControlChannel, PeerFailureError, code_of
+from lightning_zero.engine.control import (
+    CollectiveMismatchError,
+    ControlChannel,
+    PeerFailureError,
+    code_of,
+)
+from lightning_zero.engine.control import explain_texts as _explain
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -439,30 +445,3 @@ _BROKEN = (
     "an earlier collective check failed while collectives were in flight, so this process group can no longer be "
     "used: restart the run (see the first error)."
 )
-
-
-def _explain(texts: list[str]) -> str:
-    """Advice for a failed agreement, from what the ranks said they were doing."""
-    advice = []
-    if any(t.startswith(_KINDS) for t in texts):
-        advice.append(
-            "Under stage 3 every rank must run the same submodules in the same order (a data-dependent branch, a "
-            "mixture-of-experts layer, a forward under torch.no_grad() on some ranks only, or a generation loop "
-            "that stops early on one rank breaks this). Run the same modules on every rank (e.g. call unused "
-            "experts on an empty batch), make the branch depend on all ranks, or use stage 1 or 2, which handle it."
-        )
-    if any("save_checkpoint" in t for t in texts):
-        advice.append(
-            "trainer.save_checkpoint is a collective under lightning_zero (every rank writes its part): call it on "
-            "every rank, not under `if trainer.is_global_zero` (ModelCheckpoint already does this right)."
-        )
-    if any(t.startswith(("start ", "teardown")) for t in texts) and len(set(texts)) > 1:
-        advice.append(
-            "Every rank must run the same steps: the same number of batches per epoch (with "
-            "use_distributed_sampler=False, your sampler must give every rank as many batches, e.g. "
-            "DistributedSampler(drop_last=True)), and the same trainable parameters (freeze and unfreeze on every "
-            "rank alike)."
-        )
-    if any(t.startswith(("barrier", "broadcast")) for t in texts):
-        advice.append("Barriers and broadcasts must be reached by every rank.")
-    return "\n".join(advice)

@@ -34,6 +34,7 @@ a collective that will never complete, is then aborted (see ``abort_if_broken``)
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -66,7 +67,7 @@ def code_of(text: str) -> int:
 
 @dataclass
 class _State:
-    status: str  # "running", "waiting" or "failed"
+    status: str  # "running", "waiting", "failed" (``what`` is the error) or "mismatch" (``what`` is the message)
     token: int
     group: str = ""
     index: int = -1
@@ -221,18 +222,31 @@ class ControlChannel:
                 return
 
     def explain(self, error: BaseException) -> None:
-        """Add what the monitor found (a deadlock, a failed rank) to ``error``'s message, in place."""
-        if self.verdict and self.verdict not in str(error):
-            error.args = (f"{error}\nlightning_zero: {self.verdict}", *error.args[1:])
+        """Add what the monitor found (a deadlock), or which rank failed and how, to ``error``'s message (in
+        place): a rank that fails and exits shows up here as a closed connection."""
+        verdict = self.verdict
+        if verdict is None and self.store is not None and not isinstance(error, CollectiveMismatchError):
+            try:
+                states = self._read_all()
+            except PeerFailureError:
+                states = []
+            found = self._verdict(states, None) if states else None
+            verdict = str(found) if isinstance(found, PeerFailureError) else None
+        if verdict and verdict not in str(error):
+            error.args = (f"{error}\nlightning_zero: {verdict}", *error.args[1:])
 
     def report_failure(self, error: BaseException) -> None:
-        """Tell the other ranks, through the store, that this rank failed and why (best effort)."""
+        """Tell the other ranks, through the store, that this rank failed and why (best effort). A deadlock this
+        rank found is passed on as it is, so that every rank raises the same ``CollectiveMismatchError``."""
         if self.store is None:
             return
-        text = f"{type(error).__name__}: {error}".strip().splitlines()
-        summary = text[0][:300] if text else type(error).__name__
+        if isinstance(error, CollectiveMismatchError):
+            state = _State("mismatch", 0, what=str(error))
+        else:
+            text = f"{type(error).__name__}: {error}".strip().splitlines()
+            state = _State("failed", 0, what=text[0][:300] if text else type(error).__name__)
         try:
-            self._publish(_State("failed", 0, what=summary))
+            self._publish(state)
         except (RuntimeError, OSError):  # the store's host (rank 0) may be gone already
             pass
 
@@ -257,12 +271,17 @@ class ControlChannel:
         return [_State(**json.loads(bytes(value).decode())) for value in raw]
 
     def _verdict(self, states: list[_State], previous: list[_State] | None) -> BaseException | None:
+        for r, state in enumerate(states):
+            if state.status == "mismatch" and r != self.rank:
+                return CollectiveMismatchError(state.what)  # found by rank r first: the same error everywhere
         failed = [(r, s) for r, s in enumerate(states) if s.status == "failed" and r != self.rank]
         if failed:
             lines = "; ".join(f"rank {r} failed with {s.what}" for r, s in failed)
+            mine = states[self.rank].what if states[self.rank].status == "waiting" else ""
             return PeerFailureError(
-                f"{lines}. Rank {self.rank} was waiting for it in: {states[self.rank].what}. The cause is in the "
-                "failed rank's traceback."
+                f"{lines}"
+                + (f"; rank {self.rank} was waiting for it in: {mine}" if mine else "")
+                + ". The cause is in the failed rank's traceback."
             )
         if previous is None or [(s.status, s.token) for s in states] != [(s.status, s.token) for s in previous]:
             return None
@@ -274,12 +293,14 @@ class ControlChannel:
             if state.group != "direct" and all((o.issued or {}).get(state.group, 0) > state.index for o in states):
                 return None  # every rank has issued this collective: it will complete
         lines = "\n  ".join(f"rank {r}: {s.what}" for r, s in enumerate(states))
-        return CollectiveMismatchError(
-            f"the ranks are waiting for each other in different collectives and none can complete (a deadlock), "
-            f"found after {2 * self.poll_seconds:.0f} s of waiting:\n  {lines}\n"
+        advice = explain_texts([s.what for s in states]) or (
             "Every rank must run the same collectives in the same order: the same number of steps and batches, the "
             "same submodules in the same order under stage 3, and checkpoint saves, barriers and synced logging on "
-            "every rank. See docs/faults.md."
+            "every rank."
+        )
+        return CollectiveMismatchError(
+            f"the ranks are waiting for each other in different collectives and none can complete (a deadlock), "
+            f"found after {2 * self.poll_seconds:.0f} s of waiting:\n  {lines}\n{advice}\nSee docs/faults.md."
         )
 
 
@@ -349,3 +370,38 @@ def abort_if_broken(comm: Any) -> None:
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None:
         abort(comm.group)
+
+
+_COLLECTIVE_TEXT = re.compile(
+    r"(waiting for the other ranks to agree on: )?(all_gather|reduce_scatter|all_reduce|broadcast) of"
+)
+
+
+def explain_texts(texts: list[str]) -> str:
+    """Advice for a failed agreement, from what the ranks said they were doing."""
+    advice = []
+    if any(
+        re.match(r"(waiting for the other ranks to agree on: )?(all_gather|reduce_scatter|all_reduce|broadcast) of", t)
+        for t in texts
+    ):
+        advice.append(
+            "Under stage 3 every rank must run the same submodules in the same order (a data-dependent branch, a "
+            "mixture-of-experts layer, a forward under torch.no_grad() on some ranks only, or a generation loop "
+            "that stops early on one rank breaks this). Run the same modules on every rank (e.g. call unused "
+            "experts on an empty batch), make the branch depend on all ranks, or use stage 1 or 2, which handle it."
+        )
+    if any("save_checkpoint" in t for t in texts):
+        advice.append(
+            "trainer.save_checkpoint is a collective under lightning_zero (every rank writes its part): call it on "
+            "every rank, not under `if trainer.is_global_zero` (ModelCheckpoint already does this right)."
+        )
+    if any(t.startswith(("start ", "teardown")) for t in texts) and not any("save_checkpoint" in t for t in texts):
+        advice.append(
+            "Every rank must run the same steps: the same number of batches per epoch (with "
+            "use_distributed_sampler=False, your sampler must give every rank as many batches, e.g. "
+            "DistributedSampler(drop_last=True)), and the same trainable parameters (freeze and unfreeze on every "
+            "rank alike)."
+        )
+    if any(t.startswith(("barrier", "broadcast")) for t in texts):
+        advice.append("Barriers and broadcasts must be reached by every rank.")
+    return "\n".join(advice)

@@ -375,12 +375,12 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         # unless the error is one that every rank raises at the same point (ours, checked everywhere).
         broken = self._sharded is not None and self._sharded.comm.broken
         self._failed = broken or not isinstance(exception, RAISED_ON_EVERY_RANK)
-        if self._failed and self._control is not None:
-            self._control.report_failure(exception)  # the ranks waiting for this one stop at once
-        if broken:
-            abort_if_broken(self._sharded.comm)
         if self._control is not None:
             self._control.explain(exception)
+            if self._failed:
+                self._control.report_failure(exception)  # the ranks waiting for this one stop at once
+        if broken:
+            abort_if_broken(self._sharded.comm)
         explain_peer_failure(exception)
 
     @override
@@ -393,8 +393,9 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             self._unwrap_batch_start = None
         if self._sharded is not None:
             if not self._failed:
-                stage = self.lightning_module.trainer.state.fn if self._lightning_module is not None else None
-                self._sharded.comm.agree_event("teardown", lambda: f"teardown at the end of {stage or 'the run'}")
+                fn = self.lightning_module.trainer.state.fn if self._lightning_module is not None else None
+                what = f"trainer.{fn.value}()" if fn is not None else "the run"
+                self._sharded.comm.agree_event("teardown", lambda: f"teardown at the end of {what}")
             self._sharded.release(gather=not self._failed)
             self._sharded = None
         module = self._lightning_module
