@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.engine import Comm
+from lightning_zero.engine.control import ControlChannel
 
 _PHASES = ("training", "validation", "sanity check", "test", "predict", "step")
 
@@ -118,7 +119,7 @@ def begin_eval_step(comm: Comm, phase: str, step: int, after: str) -> None:
 
 def begin_plain_step(comm: Comm, key: str, step: int, describe: Callable[[], str]) -> None:
     """Agree on a step counted by the caller (Fabric: a forward, and its backward when training)."""
-    comm.begin_sequence(key, [_PHASES.index("step"), step], describe)
+    comm.begin_sequence(key, [_PHASES.index("step"), zlib.crc32(key.encode()), step], describe)
 
 
 def reduce_like_lightning(comm: Comm, tensor: Tensor, reduce_op: object, name: str) -> Tensor:
@@ -146,3 +147,28 @@ def _batch_in_epoch(trainer: object) -> int:
         return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)  # type: ignore[attr-defined]
     except AttributeError:
         return -1
+
+
+def barrier(control: ControlChannel | None, comm: Comm | None, checks: str, name: str | None, device: Any) -> None:
+    """A barrier that names the ranks that are elsewhere: the agreement is a barrier itself (every rank must join
+    it). Without a control channel, or with checks off, ``torch.distributed.barrier``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if control is not None and checks != "off":
+        comm = comm if comm is not None else Comm(checks="auto", control=control)
+        comm.agree_event(f"barrier {name or ''}", lambda: f"barrier({name!r})")
+    elif dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast(comm: Comm | None, obj: Any, src: int) -> Any:
+    """``broadcast_object_list`` of one object from ``src``, agreed first (a rank that is elsewhere is named)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    if comm is not None:
+        comm.agree_event("broadcast", lambda: f"broadcast of a {type(obj).__name__} from rank {src}")
+    holder = [obj]
+    dist.broadcast_object_list(holder, src, group=dist.group.WORLD)
+    return holder[0]

@@ -24,12 +24,10 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -650,27 +648,13 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     # ------------------------------------------------------------------ collectives for Lightning
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if self._control is not None and self.collective_checks != "off":
-            # The agreement is a barrier itself (every rank must join it), and names who is elsewhere.
-            comm = self._sharded.comm if self._sharded is not None else Comm(control=self._control)
-            comm.agree_event(f"barrier {name or ''}", lambda: f"barrier({name!r})")
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        agreement.barrier(
+            self._control, self._sharded and self._sharded.comm, self.collective_checks, name, self.root_device
+        )
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        if self._sharded is not None:
-            self._sharded.comm.agree_event("broadcast", lambda: f"broadcast of a {type(obj).__name__} from rank {src}")
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
+        return agreement.broadcast(self._sharded.comm if self._sharded is not None else None, obj, src)
 
     @override
     def reduce(
