@@ -18,6 +18,27 @@ bytes a ring does, and gloo runs it at all-reduce speed; so on gloo, ``all_gathe
 rank a copy of this rank's shard with one ``all_to_all_single``, and ``reduce_scatter`` sends
 every rank its chunk and sums the chunks it receives (in rank order). NCCL keeps its own
 collectives, which are the fast ones there.
+
+[Note: streams]
+On NCCL, a collective issued with ``async_op=True`` is queued on NCCL's internal stream after an
+event on the current (compute) stream, so it reads its input only once the kernels queued before it
+have run; ``work.wait()`` makes the current stream wait for it and returns at once: the host never
+blocks, and the kernels queued after the wait run after the collective. The engine's rules:
+
+- a buffer handed to a collective is kept alive (``Pending.keep``) until ``wait()``, and is reused
+  or freed only after it: the caching allocator is stream-ordered on the compute stream, and the
+  wait puts the collective's end on that stream, so a later allocation cannot be written before the
+  collective is done reading;
+- nothing on the step path reads a device value on the host (``.item()``, ``bool()``,
+  ``.tolist()``), except where a decision must be made on the host once per step (see the
+  callers);
+- the seconds a collective takes are measured between two CUDA events on the compute stream, one
+  recorded before it is issued and one after ``wait()``: the time the compute stream would have
+  waited for it, overlap excluded. They are read (one host synchronisation) only when the
+  statistics are (``CommStats.resolve``, for ``log_stats`` and the benchmarks). On gloo the host
+  does block in ``wait()``, and the host time spent there is what is counted.
+- ``Comm(run_alone=True)`` issues the collectives even in a process group of one rank, so that one
+  GPU runs the NCCL path with its streams, events and buffers (``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +78,8 @@ class CommStats:
     """Per-kind accounting; ``reset()`` between steps to read per-step figures."""
 
     by_kind: dict[str, CollectiveStats] = field(default_factory=lambda: defaultdict(CollectiveStats))
+    # CUDA event pairs of collectives not yet read (see [Note: streams]); added to ``seconds`` by ``resolve``.
+    timed_on_device: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def record(self, kind: str, bytes_sent: int, seconds: float) -> None:
         entry = self.by_kind[kind]
@@ -68,6 +91,14 @@ class CommStats:
         """Time spent waiting for an asynchronous collective counted in ``record`` when it was issued."""
         self.by_kind[kind].seconds += seconds
 
+    def resolve(self) -> None:
+        """Add the device time of the collectives timed with CUDA events (waits for the last of them: one host
+        synchronisation, made only when the figures are read)."""
+        for kind, start, end in self.timed_on_device:
+            end.synchronize()
+            self.by_kind[kind].seconds += start.elapsed_time(end) / 1000.0
+        self.timed_on_device.clear()
+
     @property
     def bytes_sent(self) -> int:
         return sum(s.bytes_sent for s in self.by_kind.values())
@@ -77,9 +108,11 @@ class CommStats:
 
     def reset(self) -> None:
         self.by_kind.clear()
+        self.timed_on_device.clear()
 
     def snapshot(self) -> CommStats:
         """A copy of the counters as they are now (``since`` subtracts one)."""
+        self.resolve()
         copy = CommStats()
         for kind, entry in self.by_kind.items():
             copy.by_kind[kind] = CollectiveStats(entry.calls, entry.bytes_sent, entry.seconds)
@@ -96,6 +129,7 @@ class CommStats:
         return delta
 
     def as_dict(self) -> dict[str, dict[str, float]]:
+        self.resolve()
         return {
             k: {"calls": v.calls, "bytes_sent": v.bytes_sent, "seconds": v.seconds} for k, v in self.by_kind.items()
         }
@@ -115,12 +149,14 @@ class Pending:
         work: dist.Work | None,
         *keep: torch.Tensor,
         wait: Callable[[dist.Work], None] | None = None,
+        issued: torch.cuda.Event | None = None,
     ) -> None:
         self._stats = stats
         self._kind = kind
         self._work = work
         self._keep = keep
         self._wait = wait
+        self._issued = issued  # on CUDA: an event recorded on the compute stream before the collective was issued
         self._then: Callable[[], None] | None = None
 
     def then(self, finish: Callable[[], None]) -> Pending:
@@ -150,7 +186,12 @@ class Pending:
         if self._then is not None:
             self._then()
             self._then = None
-        self._stats.add_seconds(self._kind, time.perf_counter() - start)
+        if self._issued is not None:  # see [Note: streams]
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._stats.timed_on_device.append((self._kind, self._issued, done))
+        else:
+            self._stats.add_seconds(self._kind, time.perf_counter() - start)
 
 
 CollectiveChecks = Literal["auto", "all", "off"]
@@ -198,6 +239,7 @@ class Comm:
         group: dist.ProcessGroup | None = None,
         checks: CollectiveChecks = "auto",
         control: ControlChannel | None = None,
+        run_alone: bool = False,
     ) -> None:
         if checks not in ("auto", "all", "off"):
             raise ValueError(f"checks must be 'auto', 'all' or 'off', got {checks!r}")
@@ -205,14 +247,17 @@ class Comm:
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
+        # A world of one skips every collective, unless ``run_alone`` (a process group of one rank must exist):
+        # then they run for real, so that one GPU exercises the NCCL path, its streams and its buffers.
+        self._skip = self.world_size == 1 and not (run_alone and initialized)
         self.stats = CommStats()
         self.checks = checks
-        self.control = control if self.world_size > 1 else None
+        self.control = control if not self._skip else None
         self._names: dict[int, str] = {}
         # See [Note: gloo all-to-all].
-        self.via_all_to_all = initialized and self.world_size > 1 and dist.get_backend(group) == "gloo"
+        self.via_all_to_all = not self._skip and self.world_size > 1 and dist.get_backend(group) == "gloo"
         # A wait on NCCL orders streams and returns: only host-side waits need the stall report.
-        self._waits_block_host = initialized and self.world_size > 1 and dist.get_backend(group) != "nccl"
+        self._waits_block_host = not self._skip and dist.get_backend(group) != "nccl"
         # See [Note: collective checks].
         self._references: dict[str, list[tuple[int, int, int]]] = {}
         self._key: str | None = None
@@ -333,6 +378,10 @@ class Comm:
         self, kind: str, bytes_sent: int, describe: str, fn, *args, async_op: bool = False, **kwargs
     ) -> Pending | None:
         """Issue ``fn`` asynchronously and count it; wait for it now unless ``async_op``."""
+        issued = None
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+            issued = torch.cuda.Event(enable_timing=True)
+            issued.record()
         start = time.perf_counter()
         work = fn(*args, async_op=True, **kwargs)
         self.stats.record(kind, bytes_sent, time.perf_counter() - start)
@@ -347,6 +396,7 @@ class Comm:
             work,
             *(a for a in args if isinstance(a, torch.Tensor)),
             wait=lambda w: self._wait(w, index, describe),
+            issued=issued,
         )
         if async_op:
             return pending
@@ -361,7 +411,7 @@ class Comm:
     ) -> Pending | None:
         """Concatenate every rank's ``shard`` into ``output`` (``shard`` may alias its own chunk). With
         ``async_op``, return a ``Pending`` to wait on before ``output`` is read."""
-        if self.world_size == 1:
+        if self._skip:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return Pending(self.stats, "all_gather", None) if async_op else None
@@ -386,7 +436,7 @@ class Comm:
     ) -> Pending | None:
         """Sum ``full`` over ranks and keep this rank's chunk in ``shard``. With ``async_op``, return a
         ``Pending`` to wait on before ``shard`` is read (``full`` stays alive until then)."""
-        if self.world_size == 1:
+        if self._skip:
             shard.copy_(full)
             return Pending(self.stats, "reduce_scatter", None) if async_op else None
         describe = self._before("reduce_scatter", name, full.numel(), guard=False)
@@ -424,7 +474,7 @@ class Comm:
         return pending.then(add_up)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, name: str = "") -> None:
-        if self.world_size == 1:
+        if self._skip:
             return
         describe = self._before("all_reduce", name, tensor.numel(), guard=False)
         self._timed(
@@ -433,7 +483,7 @@ class Comm:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group rank ``src``."""
-        if self.world_size == 1:
+        if self._skip:
             return
         describe = self._before("broadcast", "", tensor.numel(), guard=False)
         sent = tensor.numel() * tensor.element_size() if self.rank == src else 0

@@ -111,12 +111,12 @@ class ControlChannel:
             self._monitor.start()
 
     @classmethod
-    def create(cls, poll_seconds: float = 1.0) -> ControlChannel | None:
+    def create(cls, poll_seconds: float = 1.0, run_alone: bool = False) -> ControlChannel | None:
         """The channel over all ranks, or ``None`` in a world of one. Creating one is a collective (call it on
         every rank); later calls with the same default process group return the same channel, unless a
-        deadlock left it unusable (``broken``)."""
+        deadlock left it unusable (``broken``). ``run_alone``: a channel even in a world of one (see ``Comm``)."""
         global _current
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not (dist.is_available() and dist.is_initialized()) or (dist.get_world_size() == 1 and not run_alone):
             return None
         world = dist.group.WORLD
         if _current is not None and _current[0] is world and not _current[1].broken:

@@ -107,11 +107,13 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             (checked across all ranks): ``"raise"`` (default) stops with an error naming the ranks and
             parameters, ``"skip"`` skips that step on every rank (counted in
             ``strategy.skipped_steps``, warned), ``"ignore"`` steps anyway as DDP does.
-        collective_checks: Before a collective, make sure every rank is about to issue the same one, and
-            otherwise raise ``CollectiveMismatchError`` on every rank, naming what each rank was doing,
-            instead of deadlocking or exchanging the wrong data. ``"auto"`` (default) checks the
-            collectives whose order depends on the model's control flow (stage-3 gathers); ``"all"``
-            checks every collective (debugging; one extra tiny collective each); ``"off"`` none.
+        collective_checks: Ranks agree, on a CPU gloo group and without a device synchronisation, on what they
+            are about to do, and otherwise raise ``CollectiveMismatchError`` on every rank, naming what each rank
+            was doing, instead of deadlocking or exchanging the wrong data. ``"auto"`` (default): the trainable
+            set at setup, every step, saves, barriers, broadcasts, the teardown, and the collectives that leave
+            the previous step's track (one agreement per step in a steady run); ``"all"``: every collective too
+            (debugging); ``"off"``: none. Whatever the setting, ranks that wait for each other in different
+            collectives raise within seconds (see ``docs/faults.md``).
         param_dtype: Mixed precision only (``precision="bf16-mixed"`` / ``"16-mixed"``): the dtype parameters
             are gathered and computed in (``torch.bfloat16``, ``torch.float16``, ``torch.float32``, or their
             names as strings). Default: the half type, so that stage 3 gathers half the bytes; fp32 master
