@@ -287,8 +287,9 @@ class ControlChannel:
             return None
         if any(s.status != "waiting" for s in states):
             return None  # a rank is still working: it may yet issue what the others wait for
-        if all(s.group == "direct" for s in states):
-            return None  # all in collectives this library does not see: possibly the same one, just slow
+        direct = [s.what for s in states if s.group == "direct"]
+        if len(direct) == len(states) or len(direct) != len(set(direct)):
+            return None  # ranks in the same collective this library does not see: it may just be slow
         for state in states:
             if state.group != "direct" and all((o.issued or {}).get(state.group, 0) > state.index for o in states):
                 return None  # every rank has issued this collective: it will complete
