@@ -113,6 +113,14 @@ class FailsOnRank1(ParityNet):
         return super().training_step(batch, batch_idx)
 
 
+class DirectReduceOnRank0(L.Callback):
+    """A ``torch.distributed`` collective that only rank 0 calls (as a metric synced on one rank would)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.is_global_zero and trainer.global_step == 2:
+            torch.distributed.all_reduce(torch.ones(3))
+
+
 def _frozen_on_rank1(whole_layer: bool) -> ParityNet:
     model = ParityNet(optimizer="sgd")
     if torch.distributed.get_rank() == 1:
@@ -179,15 +187,25 @@ def _one_case(rank: int, world_size: int, case: str, stage: str) -> LeaveBroken:
         model: ParityNet = CalledMoreOnRank1(at=2)
     elif case == "no_grad":
         model = NoGradOnRank1(at=2)
-    else:
+    elif case == "fails":
         model = FailsOnRank1(optimizer="sgd")
-    trainer = quiet_trainer(strategy=_strategy(stage), devices=world_size, max_steps=6)
+    else:
+        model = ParityNet(optimizer="sgd")
+    callbacks = [DirectReduceOnRank0()] if case == "direct" else []
+    trainer = quiet_trainer(strategy=_strategy(stage), devices=world_size, max_steps=6, callbacks=callbacks)
     return LeaveBroken(_outcome(trainer, model))
 
 
 @pytest.mark.parametrize(
     ("case", "stage"),
-    [("more calls", "zero3"), ("no_grad", "zero3"), ("fails", "zero1"), ("fails", "zero2"), ("fails", "zero3")],
+    [
+        ("more calls", "zero3"),
+        ("no_grad", "zero3"),
+        ("fails", "zero1"),
+        ("fails", "zero2"),
+        ("fails", "zero3"),
+        ("direct", "zero2"),
+    ],
 )
 def test_ranks_that_part_ways_inside_a_step_fail_fast_naming_them(case: str, stage: str) -> None:
     outcomes = spawn(_one_case, world_size=2, timeout=120, case=case, stage=stage)
@@ -199,6 +217,14 @@ def test_ranks_that_part_ways_inside_a_step_fail_fast_naming_them(case: str, sta
         # connection close first; either way its error says what happened on rank 1.
         assert outcomes[0]["type"] in (PeerFailureError.__name__, "RuntimeError"), outcomes
         assert "rank 1 failed with ZeroDivisionError" in outcomes[0]["message"], outcomes
+        return
+    if case == "direct":
+        # Rank 1 waits in the next step's agreement and names rank 0, blocked in a collective this library does
+        # not issue; rank 0's call then fails on the closed connection, with the same diagnosis appended.
+        assert outcomes[1]["type"] == CollectiveMismatchError.__name__, outcomes
+        for outcome in outcomes:
+            assert "rank 0: torch.distributed.all_reduce, called from" in outcome["message"], outcomes
+            assert "rank 1: waiting for the other ranks to agree on: start training step 3" in outcome["message"]
         return
     for rank, outcome in enumerate(outcomes):
         assert outcome["type"] == CollectiveMismatchError.__name__, (rank, outcome)

@@ -230,8 +230,8 @@ class ControlChannel:
                 states = self._read_all()
             except PeerFailureError:
                 states = []
-            found = self._verdict(states, None) if states else None
-            verdict = str(found) if isinstance(found, PeerFailureError) else None
+            found = self._verdict(states, None) if states else None  # a failed rank, or a mismatch it published
+            verdict = str(found) if found is not None else None
         if verdict and verdict not in str(error):
             error.args = (f"{error}\nlightning_zero: {verdict}", *error.args[1:])
 
