@@ -33,6 +33,7 @@ a collective that will never complete, is then aborted (see ``abort_if_broken``)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sys
@@ -184,8 +185,9 @@ class ControlChannel:
                     raise error
                 previous = states
         finally:
-            self._publish(_State("running", 0))
             self._in_wait = False
+            with contextlib.suppress(RuntimeError, OSError):  # the store may be gone with rank 0: keep the real error
+                self._publish(_State("running", 0))
 
     def _watch_direct_collectives(self, main: int | None) -> None:
         """The monitor thread: publish a state for the main thread while it is blocked in a collective that
