@@ -41,17 +41,28 @@ class Net(nn.Module):
         return self.head(self.norm(h))
 
 
+def blocks_policy(module: nn.Module, **kwargs):
+    """The default policy without its small-model rule (these test models are all tiny)."""
+    return default_unit_policy(module, whole_model_below=0, **kwargs)
+
+
 def names(module: nn.Module, **kwargs) -> list[str]:
-    return [p.name for p in plan_units(module, default_unit_policy(module, **kwargs))]
+    return [p.name for p in plan_units(module, blocks_policy(module, **kwargs))]
+
+
+def test_a_small_model_is_one_unit_and_a_larger_one_gets_its_blocks() -> None:
+    model = Net()
+    assert [p.name for p in plan_units(model)] == ["<root>"]  # plan_units' default: under 2^22 elements
+    big = Net(blocks=2, big=2**19)  # extra: 9 x 2^19 elements, over the threshold (and a large leaf)
+    assert [p.name for p in plan_units(big)] == ["<root>", "blocks.0", "blocks.1", "extra"]
 
 
 def test_repeated_blocks_are_units_and_small_modules_fold_into_the_root() -> None:
     model = Net()
     assert names(model) == ["<root>", "blocks.0", "blocks.1", "blocks.2"]
-    assert [p.name for p in plan_units(model)] == names(model)  # plan_units' default
-    root = plan_units(model)[0]
+    root = plan_units(model, blocks_policy(model))[0]
     assert root.param_names == ["emb.weight", "norm.weight", "norm.bias"]  # the tied head is emb.weight
-    assert plan_units(model)[1].param_names == [
+    assert plan_units(model, blocks_policy(model))[1].param_names == [
         "blocks.0.norm.weight",
         "blocks.0.norm.bias",
         "blocks.0.fc.weight",
@@ -78,7 +89,7 @@ def test_containers_are_never_units_and_sequential_stacks_are() -> None:
 def test_multihead_attention_stays_one_unit_and_compiled_blocks_count_as_their_class() -> None:
     attn = nn.Module()
     attn.layers = nn.ModuleList(nn.MultiheadAttention(8, 2) for _ in range(2))
-    plans = plan_units(attn)
+    plans = plan_units(attn, blocks_policy(attn))
     assert [p.name for p in plans] == ["layers.0", "layers.1"]
     assert "layers.0.out_proj.weight" in plans[0].param_names
     model = Net(blocks=2)
@@ -91,7 +102,9 @@ def test_real_models_get_their_blocks_as_units(name: str) -> None:
     from tests.real_models import build
 
     torch.manual_seed(0)
-    plans = plan_units(build(name))
+    model = build(name)
+    assert [p.name for p in plan_units(model)] == ["<root>"]  # tiny: one unit by default
+    plans = plan_units(model, blocks_policy(model))
     blocks = [p.name for p in plans[1:]]
     assert plans[0].name == "<root>"
     assert len(blocks) == 2, blocks  # two layers (two ResNet stages) in the tiny configurations
@@ -106,13 +119,13 @@ def test_a_folded_module_run_outside_its_unit_is_named_on_the_first_step() -> No
 
     torch.manual_seed(0)
     bad = Bad(blocks=2)
-    sharded = ShardedModel(bad, stage=3, comm=Comm())
+    sharded = ShardedModel(bad, stage=3, comm=Comm(), policy=blocks_policy(bad))
     x = torch.randint(0, 16, (2, 4))
     with pytest.raises(FoldedModuleError, match=r"'blocks.0.fc' \(Linear\) ran outside the forward of 'blocks.0'"):
         with sharded.step_context():
             bad(x).sum().backward()
     good = Net(blocks=2)
-    sharded = ShardedModel(good, stage=3, comm=Comm())
+    sharded = ShardedModel(good, stage=3, comm=Comm(), policy=blocks_policy(good))
     for _ in range(2):
         with sharded.step_context():
             good(x).sum().backward()
@@ -123,6 +136,6 @@ def test_the_benchmark_gpt_gets_exactly_the_hand_chosen_block_units() -> None:
     from benchmarks.model import CONFIGS, BenchGPT
     from lightning_zero.engine import module_class_policy
 
-    model = BenchGPT(CONFIGS["tiny"])
+    model = BenchGPT(CONFIGS["default"])  # 25M parameters: over the small-model threshold
     by_hand = plan_units(model, module_class_policy(["Block"]))
     assert [(p.name, p.param_names) for p in plan_units(model)] == [(p.name, p.param_names) for p in by_hand]

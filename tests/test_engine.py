@@ -18,6 +18,7 @@ from lightning_zero.engine import (
     owns_parameters,
 )
 from lightning_zero.engine.grads import ShardedGradientError
+from lightning_zero.engine.grouping import default_unit_policy
 from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
 from lightning_zero.engine.unit import ShardedParameterWriteError
 from tests.distributed import spawn
@@ -40,6 +41,11 @@ class TiedNet(nn.Module):
         for _ in range(2):
             h = h + self.down(torch.relu(self.up(h)))
         return self.head(h)
+
+
+def blocks(model: nn.Module):
+    """The default units without the small-model rule: these test models are tiny, and the tests need units."""
+    return default_unit_policy(model, whole_model_below=0)
 
 
 def _mlp() -> nn.Module:
@@ -167,7 +173,7 @@ def _comm_and_memory(rank: int, world_size: int) -> None:
 def _check_comm_and_memory(stage: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _mlp()
-    sharded = ShardedModel(model, stage=stage, comm=Comm())
+    sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=blocks(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sharded.bind_optimizer(opt)
     units = sharded.units
@@ -370,7 +376,7 @@ def test_engine_imports_no_lightning() -> None:
 def test_frozen_parameters_get_no_gradient_and_no_optimizer_state() -> None:
     model = _mlp()
     model[0].requires_grad_(False)
-    sharded = ShardedModel(model, stage=2, comm=Comm())
+    sharded = ShardedModel(model, stage=2, comm=Comm(), policy=blocks(model))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sharded.bind_optimizer(opt)
     model(torch.randn(2, 16)).sum().backward()
@@ -480,7 +486,7 @@ def test_non_floating_parameter_is_refused_and_the_model_left_untouched() -> Non
     model[1].register_parameter("steps", nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"parameter '1.steps' in unit '1' has dtype torch.int64"):
-        ShardedModel(model, stage=3, comm=Comm())
+        ShardedModel(model, stage=3, comm=Comm(), policy=blocks(model))
     for key, value in before.items():  # checked before anything was sharded: still readable, unchanged
         assert torch.equal(model.state_dict()[key], value), key
 
@@ -490,7 +496,9 @@ def _prefetch_and_reshard_options(rank: int, world_size: int) -> None:
     for prefetch, reshard in ((1, True), (2, True), (1, False)):
         torch.manual_seed(0)
         model = _mlp()
-        sharded = ShardedModel(model, stage=3, comm=Comm(), prefetch=prefetch, reshard_after_forward=reshard)
+        sharded = ShardedModel(
+            model, stage=3, comm=Comm(), policy=blocks(model), prefetch=prefetch, reshard_after_forward=reshard
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sharded.bind_optimizer(opt)
         units = sharded.units

@@ -220,8 +220,8 @@ def odd_model() -> nn.Module:
 
 def test_model_bytes_match_the_layout_by_hand() -> None:
     n = 3
-    est = estimate_memory(odd_model(), devices=n, precision="bf16-mixed")
-    units = [[35, 5], [15, 3], [3]]  # default policy: one unit per Linear, in registration order
+    est = estimate_memory(odd_model(), devices=n, precision="bf16-mixed", unit_modules=[nn.Linear])
+    units = [[35, 5], [15, 3], [3]]  # one unit per Linear, in registration order
     layouts = [ShardLayout.from_shapes([torch.Size([x]) for x in unit], n) for unit in units]
     assert [lay.padded_numel for lay in layouts] == [42, 18, 3]
     padded, shard = sum(lay.padded_numel for lay in layouts), sum(lay.shard_numel for lay in layouts)
@@ -238,7 +238,7 @@ def test_model_bytes_match_the_layout_by_hand() -> None:
     assert tuple(est.row("zero3").device) == (0, shard * 4, shard * 4, max(per_rank) * 8)
     assert est.row("zero3").gathered == 2 * 42 * 2  # (prefetch + 1) x the largest unit, gathered in bf16
     assert est.row("zero3").comm_bytes == pytest.approx((padded * 4 + 2 * padded * 2) * (n - 1) / n)
-    fp32 = estimate_memory(odd_model(), devices=n)
+    fp32 = estimate_memory(odd_model(), devices=n, unit_modules=[nn.Linear])
     assert tuple(fp32.row("zero3").device) == (shard * 4, shard * 4, 0, max(per_rank) * 8)
 
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.engine import MetaInitError, plan_units, record_meta_init
+from lightning_zero.engine import MetaInitError, default_unit_policy, plan_units, record_meta_init
 from lightning_zero.engine.materialize import materialize_units
 from tests.memory_tracker import LiveStorageBytes
 
@@ -112,7 +112,7 @@ class PostInit(nn.Module):
 def test_weights_overwritten_at_the_end_need_one_unit_at_a_time() -> None:
     with record_meta_init() as trace:
         model = PostInit()
-    plans = plan_units(model)  # one unit per Linear
+    plans = plan_units(model, default_unit_policy(model, whole_model_below=0))  # one unit per Linear
     shards: list[torch.Tensor] = []
 
     def shard(index: int, full: torch.Tensor | None) -> None:
