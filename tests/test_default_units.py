@@ -52,7 +52,7 @@ def names(module: nn.Module, **kwargs) -> list[str]:
 
 def test_a_small_model_is_one_unit_and_a_larger_one_gets_its_blocks() -> None:
     model = Net()
-    assert [p.name for p in plan_units(model)] == ["<root>"]  # plan_units' default: under 2^22 elements
+    assert [p.name for p in plan_units(model)] == ["<root>"]  # plan_units' default: under 2^20 elements
     big = Net(blocks=2, big=2**19)  # extra: 9 x 2^19 elements, over the threshold (and a large leaf)
     assert [p.name for p in plan_units(big)] == ["<root>", "blocks.0", "blocks.1", "extra"]
 

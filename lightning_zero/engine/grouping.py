@@ -27,11 +27,11 @@ step. Hand-chosen units are the model's repeated blocks (``unit_modules=["Block"
    position embeddings, heads) outside blocks into the root unit, which a step holds gathered
    throughout (see [Note: prefetch] in ``stage3.py``), so they cost no collective of their own.
 4. *Small models are one unit* (checked first). A model with fewer than ``whole_model_below`` parameter elements
-   (default 2^22: 16 MiB in fp32) gets no unit roots at all: each step gathers it once, holds it,
+   (default 2^20: 4 MiB in fp32) gets no unit roots at all: each step gathers it once, holds it,
    and reduces it once, as DeepSpeed keeps parameters below its persistence thresholds whole. On
    such a model every collective is latency-bound (on two CPU ranks, tiny GPT-2, Llama, BERT, OPT,
    LitGPT, ResNet and ViT ran at 1.6-3.0x DDP's step with one unit per block, measured by
-   ``benchmarks/real_models.py``), while gathering all of it costs at most 16 MiB per rank for the
+   ``benchmarks/real_models.py``), while gathering all of it costs at most 4 MiB per rank for the
    step; gradients and optimizer states stay sharded.
 
 Why these roots are safe: a unit is gathered by a forward pre-hook on its root module, so a module
@@ -67,7 +67,7 @@ class UnitPlan:
 
 CONTAINER_MODULES: tuple[type[nn.Module], ...] = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 DEFAULT_MIN_UNIT_NUMEL = 2**20
-DEFAULT_WHOLE_MODEL_NUMEL = 2**22
+DEFAULT_WHOLE_MODEL_NUMEL = 2**20
 
 
 def owns_parameters(_name: str, module: nn.Module) -> bool:
