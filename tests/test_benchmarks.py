@@ -46,9 +46,11 @@ def test_benchmark_runs_and_our_stages_match_ddp(tmp_path: Path) -> None:
         assert rows[name]["max_loss_diff_vs_ddp"] <= 1e-5  # fp32: our stages match DDP
         # Bytes sent per step follow the ring model the theory assumes: 2Ψ for stage 1, 3Ψ for stage 3
         # (each times (N-1)/N and 4 bytes), give or take padding and a few small all-reduces. Stage 3 sends
-        # less: the unit that ends forward stays gathered for backward (2 blocks + root here: about 0.8).
-        low = 0.75 if name.startswith("zero3") else 0.95
-        assert low <= rows[name]["comm_vs_theory"] <= 1.05
+        # less: the unit that ends forward stays gathered for backward (2 blocks + root here: about 0.8). With the
+        # defaults the tiny model is one unit, held for the step: gathered once, so 2Ψ (2/3 of the theory).
+        low = {"zero3": 0.75, "zero3-defaults": 0.65}.get(name, 0.95)
+        high = 0.7 if name == "zero3-defaults" else 1.05
+        assert low <= rows[name]["comm_vs_theory"] <= high
         assert rows[name]["state_bytes"] > 0 and rows[name]["peak_rss_bytes"] > 0
     assert rows["zero3"]["state_bytes"] < rows["ddp"]["state_bytes"] / 1.5
 
