@@ -75,7 +75,7 @@ one. Units in which nothing requires a gradient are skipped, on every rank alike
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -176,7 +176,8 @@ class GradReducer:
         self.sync_enabled = True
         self.no_sync_requested = False  # inside ``no_sync`` (whether or not this stage still reduces)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._pool: deque[tuple[tuple[int, torch.dtype, torch.device], torch.Tensor]] = deque()  # this backward's
+        # Full-size buffers whose reduction is done, for reuse within this backward pass (see [Note: overlap]).
+        self._pool: deque[tuple[tuple[int, torch.dtype, torch.device], torch.Tensor]] = deque()
         # Per-backward state.
         self._ready: dict[ShardedUnit, set[int]] = {u: set() for u in self.order}
         self._next = 0
@@ -455,8 +456,7 @@ def _order_hash(units: list[ShardedUnit], order: list[ShardedUnit]) -> list[int]
     """Eight bytes of a hash of ``order`` (as positions in ``units``), then their complements (255 - b): after a
     MAX over ranks, every byte equals 255 minus its complement's maximum exactly when all ranks sent the same."""
     position = {id(u): i for i, u in enumerate(units)}
-    digest = zlib.crc32(repr([position[id(u)] for u in order]).encode()) | (len(order) << 32)
-    data = list(digest.to_bytes(8, "little"))
+    data = list(hashlib.blake2b(repr([position[id(u)] for u in order]).encode(), digest_size=8).digest())
     return data + [255 - b for b in data]
 
 
