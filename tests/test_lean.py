@@ -14,8 +14,6 @@ Every check runs the real engine on 2 gloo ranks and compares with DDP on the sa
 
 from __future__ import annotations
 
-import gc
-import weakref
 from typing import Any
 
 import lightning as L
@@ -33,6 +31,7 @@ from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import Comm, ShardedModel
 from lightning_zero.engine.grouping import module_class_policy
 from tests.distributed import spawn
+from tests.memory_tracker import live_bytes_since, live_storages
 from tests.models import quiet_trainer
 
 WIDTH, BLOCKS, STEPS = 16, 6, 3
@@ -292,32 +291,6 @@ def test_at_most_one_host_read_per_step() -> None:
 # ---------------------------------------------------------------------------------------------- live memory
 
 
-def _live_storages() -> dict[tuple[str, int], tuple[int, Any]]:
-    """Every tensor storage the Python heap reaches now (each once, any device): its bytes and a weak reference
-    to one tensor on it. Storages only C++ holds (DDP's own gradient buckets) are not seen, which flatters DDP,
-    the denominator."""
-    gc.collect()
-    seen: dict[tuple[str, int], tuple[int, Any]] = {}
-    tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
-    # A ``.grad`` that autograd set has no Python object until someone reads it: read it.
-    tensors += [t.grad for t in tensors if isinstance(t, nn.Parameter) and t.grad is not None]
-    for tensor in tensors:
-        if tensor.is_meta:
-            continue
-        try:
-            storage = tensor.untyped_storage()
-            seen[(str(tensor.device), storage.data_ptr())] = (storage.nbytes(), weakref.ref(tensor))
-        except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without storage (a marker)
-            continue
-    return seen
-
-
-def live_tensor_bytes(before: dict[tuple[str, int], tuple[int, Any]]) -> int:
-    """Bytes of every storage alive now (see ``_live_storages``) but those already alive at ``before``."""
-    old = {key for key, (_, ref) in before.items() if ref() is not None}
-    return sum(size for key, (size, _) in _live_storages().items() if key not in old)
-
-
 class MLP(L.LightningModule):
     """About 2.1M parameters, fp32 Adam."""
 
@@ -345,11 +318,11 @@ class LiveBeforeStep(Callback):
 
     def __init__(self) -> None:
         self.bytes = 0
-        self.before = _live_storages()  # what earlier runs in this process left alive is not this run's
+        self.before = live_storages()  # what earlier runs in this process left alive is not this run's
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         if trainer.global_step == 2:
-            self.bytes = live_tensor_bytes(self.before)
+            self.bytes = live_bytes_since(self.before)
 
 
 def _live_memory(rank: int, world_size: int) -> dict[str, float]:
