@@ -87,9 +87,12 @@ def test_torchmetrics_sync_like_ddp_under_every_stage() -> None:
 
 
 def _logged_stats(rank: int, world_size: int, directory: str) -> None:
-    for name in ("zero1_stats", "zero3_stats"):
+    # Stage 3 with one unit per layer: under the default units ParityNet (no repeated blocks) is one root
+    # unit, held for the step and gathered once.
+    per_layer = ZeRO3Strategy(log_stats=True, unit_modules=[torch.nn.Linear, torch.nn.LayerNorm])
+    for name, strategy in (("zero1_stats", "zero1_stats"), ("zero3_stats", per_layer)):
         trainer = quiet_trainer(
-            strategy=name,
+            strategy=strategy,
             devices=world_size,
             max_steps=3,
             logger=CSVLogger(directory, name=name, version=0),
