@@ -271,7 +271,7 @@ class GradReducer:
     def _end_of_pass(self) -> None:
         node = torch._C._current_autograd_node()
         if node is not None:  # a nested pass ended (see [Note: one end of backward]): wait for the outer one
-            node.register_hook(lambda *_: Variable._execution_engine.queue_callback(self._end_of_pass))
+            node.register_hook(_once(lambda: Variable._execution_engine.queue_callback(self._end_of_pass)))
             return
         self.finish_backward()
 
@@ -445,6 +445,20 @@ class _Reduced(NamedTuple):
     shard: torch.Tensor  # this rank's shard of the averaged gradient (master dtype and device)
     had_grad: list[bool]  # per parameter: whether this rank produced a gradient
     total: torch.Tensor  # the shard's sum in fp32, on the compute device
+
+
+def _once(action: Callable[[], None]) -> Callable[..., None]:
+    """A node post-hook that runs ``action`` the first time only (a graph kept with ``retain_graph=True`` may run
+    the node again in a later backward pass)."""
+    done = False
+
+    def hook(*_: Any) -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return hook
 
 
 def _buffer_bytes(unit: ShardedUnit) -> int:
