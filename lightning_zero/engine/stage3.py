@@ -15,11 +15,14 @@ backward, and on the first evaluation step (validation, test, predict, or a step
 for the forward of evaluation, which may differ. On later steps, when unit ``k`` of that order
 starts, the all-gathers of the next ``prefetch`` units are issued asynchronously, so that they
 travel while unit ``k`` computes; the unit's own hook then only waits. At most ``prefetch + 1``
-units (plus the held root unit) are gathered at once. A step that leaves the recorded order (control
-flow that changed) simply stops prefetching for the rest of that pass, and units prefetched but not
-used are freed when the backward pass or the step ends. ``reshard_after_forward=False`` keeps each
-unit gathered from its forward until its gradients are reduced: no second all-gather in backward
-(``2Ψ`` instead of ``3Ψ`` communication) for the memory of all units at once.
+units (plus the held root unit) are gathered at once in forward; in backward one more at most, a
+unit whose reduction or whose inputs' gradients (see [Note: frozen units]) are still to come, as
+long as units complete in the order of the first step (see [Note: reduce order] in ``grads.py``). A
+step that leaves the recorded order (control flow that changed) simply stops prefetching for the
+rest of that pass, and units prefetched but not used are freed when the backward pass or the step
+ends. ``reshard_after_forward=False`` keeps each unit gathered from its forward until its gradients
+are reduced: no second all-gather in backward (``2Ψ`` instead of ``3Ψ`` communication) for the
+memory of all units at once.
 
 The root unit (parameters the ``LightningModule`` owns directly, or weights tied across
 branches) is used outside any submodule's forward, in ``training_step`` itself: during a step
