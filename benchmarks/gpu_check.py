@@ -10,10 +10,17 @@ step) from fixed weights, and trains ``warmup + steps`` steps of each variant on
 
 - ``plain``: the model and ``torch.optim.AdamW``, nothing else;
 - ``zero1`` / ``zero2`` / ``zero3``: the same, through ``lightning_zero.engine.ShardedModel`` with one
-  unit per ``Block`` and collective checks off (the engine's fast path).
+  unit per ``Block`` and collective checks off (the engine's fast path);
+- ``zero3-checks``: stage 3 with the default checks (an agreement per step on a CPU gloo group);
+- ``zero3-offload``: stage 3 with ``offload_optimizer=True`` (pinned host shards, the step on the CPU).
 
-With one rank there is nothing to shard, so this measures the engine's own overhead on a GPU (its
-flat buffers, hooks and copies), not its memory savings. Per variant and precision it reports the
+The engine's ``Comm`` runs with ``run_alone=True``: its collectives are issued over NCCL even with
+one rank, so the asynchronous handles, stream waits, events and buffers of a real run are exercised
+(see [Note: streams] in ``engine/comm.py``). With one rank there is nothing to shard, so this
+measures the engine's own overhead on a GPU (its flat buffers, hooks, copies and collectives), not
+its memory savings. ``--sanitizer`` runs two steps of every variant on the tiny model under torch's
+CUDA sanitizer (``torch.cuda._sanitizer``), which reports a kernel that reads or writes a tensor
+another stream is using without synchronisation, and records what it reported. Per variant and precision it reports the
 median step time, tokens/s, the overhead ratio against ``plain``, ``torch.cuda.max_memory_allocated``
 and the largest loss difference from ``plain``. A variant or precision that fails is reported with
 its error, not raised. The result is printed as a table and, if ``$OUT`` is set (or ``--out``),
@@ -43,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-VARIANTS = ("plain", "zero1", "zero2", "zero3")
+VARIANTS = ("plain", "zero1", "zero2", "zero3", "zero3-checks", "zero3-offload")
 PRECISIONS = ("32-true", "bf16-mixed")
 
 
@@ -74,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=240.0, help="start no variant after this many seconds")
     parser.add_argument("--dry-run", action="store_true", help="CPU and gloo, tiny model: checks the logic only")
     parser.add_argument("--out", default=None, help="folder for gpu_check.json (default: $OUT, if set)")
+    parser.add_argument("--sanitizer", action="store_true", help="also: 2 steps per variant under CUDA sanitizer")
     args = parser.parse_args(argv)
     args.config = args.config or ("tiny" if args.dry_run else "gpu")
     args.steps = args.steps or (3 if args.dry_run else 30)
@@ -128,8 +136,19 @@ def run_variant(variant: str, precision: str, args: argparse.Namespace, device: 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     sharded = None
     if variant != "plain":
+        stage = int(variant.split("-")[0][-1])
+        if variant.endswith("-checks"):
+            from lightning_zero.engine.control import ControlChannel
+
+            comm = engine.Comm(checks="auto", control=ControlChannel.create(run_alone=True), run_alone=True)
+        else:
+            comm = engine.Comm(checks="off", run_alone=True)
         sharded = engine.ShardedModel(
-            model, stage=int(variant[-1]), comm=engine.Comm(checks="off"), policy=engine.module_class_policy(["Block"])
+            model,
+            stage=stage,
+            comm=comm,
+            policy=engine.module_class_policy(["Block"]),
+            offload_optimizer=variant.endswith("-offload"),
         )
         sharded.bind_optimizer(optimizer)
     cuda = device.type == "cuda"
@@ -145,6 +164,8 @@ def run_variant(variant: str, precision: str, args: argparse.Namespace, device: 
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
+        if sharded is not None and sharded.comm.control is not None:
+            sharded.comm.begin_sequence("training", [step], lambda step=step: f"step {step}")
         with sharded.step_context() if sharded is not None else nullcontext():
             autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
             with autocast:
@@ -168,6 +189,22 @@ def run_variant(variant: str, precision: str, args: argparse.Namespace, device: 
         "max_memory_allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
         "model_state": sharded.memory_stats() if sharded is not None else None,
     }
+
+
+def run_sanitizer(args: argparse.Namespace, device: Any) -> dict[str, str]:
+    """Two steps of every variant on the tiny model under torch's CUDA sanitizer; what each reported."""
+    import torch.cuda._sanitizer as sanitizer
+
+    tiny = argparse.Namespace(**{**vars(args), "config": "tiny", "steps": 1, "warmup": 1})
+    sanitizer.enable_cuda_sanitizer()
+    results: dict[str, str] = {}
+    for variant in args.variants:
+        try:
+            run_variant(variant, "32-true", tiny, device)
+            results[variant] = "ok: no unsynchronized access reported"
+        except Exception as error:  # the sanitizer raises CUDASanitizerErrors on a race
+            results[variant] = f"{type(error).__name__}: {error}"[:2000]
+    return results
 
 
 def compare(rows: list[dict[str, Any]]) -> None:
@@ -246,6 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{variant} {precision}: {row.get('step_time_median_s', row.get('error'))}", flush=True)
     compare(rows)
     report["rows"] = rows
+    if args.sanitizer and device.type == "cuda":
+        report["sanitizer"] = run_sanitizer(args, device)
     report["wall_s"] = time.perf_counter() - started
     text = table(rows)
     print(f"\n{report['device']}, torch {report['torch']}, config {args.config}, {args.warmup}+{args.steps} steps\n")

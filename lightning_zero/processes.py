@@ -33,6 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class LeaveBroken:
+    """Returned by a function run with ``run_on_cpu_ranks``: ``value`` is its result, and the process exits at
+    once, without the final barrier (for a function that left its process group unusable on purpose)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def _worker(
     rank: int, world_size: int, init_file: str, port: int, fn: Callable[..., Any], kwargs: dict, results: Any
 ) -> None:
@@ -50,7 +58,13 @@ def _worker(
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        results.put((rank, "ok", pickle.dumps(fn(rank, world_size, **kwargs))))
+        value = fn(rank, world_size, **kwargs)
+        if isinstance(value, LeaveBroken):
+            results.put((rank, "ok", pickle.dumps(value.value)))
+            results.close()
+            results.join_thread()
+            os._exit(0)  # collectives may be in flight that no peer will join: no barrier, no teardown
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as error:  # reported to the caller, which raises it
         pickled: bytes | None = None
         with contextlib.suppress(Exception):

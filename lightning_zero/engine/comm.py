@@ -18,12 +18,32 @@ bytes a ring does, and gloo runs it at all-reduce speed; so on gloo, ``all_gathe
 rank a copy of this rank's shard with one ``all_to_all_single``, and ``reduce_scatter`` sends
 every rank its chunk and sums the chunks it receives (in rank order). NCCL keeps its own
 collectives, which are the fast ones there.
+
+[Note: streams]
+On NCCL, a collective issued with ``async_op=True`` is queued on NCCL's internal stream after an
+event on the current (compute) stream, so it reads its input only once the kernels queued before it
+have run; ``work.wait()`` makes the current stream wait for it and returns at once: the host never
+blocks, and the kernels queued after the wait run after the collective. The engine's rules:
+
+- a buffer handed to a collective is kept alive (``Pending.keep``) until ``wait()``, and is reused
+  or freed only after it: the caching allocator is stream-ordered on the compute stream, and the
+  wait puts the collective's end on that stream, so a later allocation cannot be written before the
+  collective is done reading;
+- nothing on the step path reads a device value on the host (``.item()``, ``bool()``,
+  ``.tolist()``), except where a decision must be made on the host once per step (see the
+  callers);
+- the seconds a collective takes are measured between two CUDA events on the compute stream, one
+  recorded before it is issued and one after ``wait()``: the time the compute stream would have
+  waited for it, overlap excluded. They are read (one host synchronisation) only when the
+  statistics are (``CommStats.resolve``, for ``log_stats`` and the benchmarks). On gloo the host
+  does block in ``wait()``, and the host time spent there is what is counted.
+- ``Comm(run_alone=True)`` issues the collectives even in a process group of one rank, so that one
+  GPU runs the NCCL path with its streams, events and buffers (``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +51,14 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+
+from lightning_zero.engine.control import (
+    CollectiveMismatchError,
+    ControlChannel,
+    PeerFailureError,
+    code_of,
+)
+from lightning_zero.engine.control import explain_texts as _explain
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -50,6 +78,8 @@ class CommStats:
     """Per-kind accounting; ``reset()`` between steps to read per-step figures."""
 
     by_kind: dict[str, CollectiveStats] = field(default_factory=lambda: defaultdict(CollectiveStats))
+    # CUDA event pairs of collectives not yet read (see [Note: streams]); added to ``seconds`` by ``resolve``.
+    timed_on_device: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
 
     def record(self, kind: str, bytes_sent: int, seconds: float) -> None:
         entry = self.by_kind[kind]
@@ -61,6 +91,14 @@ class CommStats:
         """Time spent waiting for an asynchronous collective counted in ``record`` when it was issued."""
         self.by_kind[kind].seconds += seconds
 
+    def resolve(self) -> None:
+        """Add the device time of the collectives timed with CUDA events (waits for the last of them: one host
+        synchronisation, made only when the figures are read)."""
+        for kind, start, end in self.timed_on_device:
+            end.synchronize()
+            self.by_kind[kind].seconds += start.elapsed_time(end) / 1000.0
+        self.timed_on_device.clear()
+
     @property
     def bytes_sent(self) -> int:
         return sum(s.bytes_sent for s in self.by_kind.values())
@@ -70,9 +108,11 @@ class CommStats:
 
     def reset(self) -> None:
         self.by_kind.clear()
+        self.timed_on_device.clear()
 
     def snapshot(self) -> CommStats:
         """A copy of the counters as they are now (``since`` subtracts one)."""
+        self.resolve()
         copy = CommStats()
         for kind, entry in self.by_kind.items():
             copy.by_kind[kind] = CollectiveStats(entry.calls, entry.bytes_sent, entry.seconds)
@@ -89,6 +129,7 @@ class CommStats:
         return delta
 
     def as_dict(self) -> dict[str, dict[str, float]]:
+        self.resolve()
         return {
             k: {"calls": v.calls, "bytes_sent": v.bytes_sent, "seconds": v.seconds} for k, v in self.by_kind.items()
         }
@@ -101,11 +142,21 @@ class Pending:
     ``keep`` holds tensors the collective reads or writes, so that they live until it completes.
     """
 
-    def __init__(self, stats: CommStats, kind: str, work: dist.Work | None, *keep: torch.Tensor) -> None:
+    def __init__(
+        self,
+        stats: CommStats,
+        kind: str,
+        work: dist.Work | None,
+        *keep: torch.Tensor,
+        wait: Callable[[dist.Work], None] | None = None,
+        issued: torch.cuda.Event | None = None,
+    ) -> None:
         self._stats = stats
         self._kind = kind
         self._work = work
         self._keep = keep
+        self._wait = wait
+        self._issued = issued  # on CUDA: an event recorded on the compute stream before the collective was issued
         self._then: Callable[[], None] | None = None
 
     def then(self, finish: Callable[[], None]) -> Pending:
@@ -123,40 +174,58 @@ class Pending:
     def wait(self) -> None:
         if self._work is None:
             return
+        work, self._work = self._work, None
         start = time.perf_counter()
-        self._work.wait()
+        try:
+            if self._wait is not None:
+                self._wait(work)
+            else:
+                work.wait()
+        finally:
+            self._keep = ()
         if self._then is not None:
             self._then()
             self._then = None
-        self._stats.add_seconds(self._kind, time.perf_counter() - start)
-        self._work = None
-        self._keep = ()
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks were about to issue different collectives (raised on every rank, before the collective)."""
+        if self._issued is not None:  # see [Note: streams]
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._stats.timed_on_device.append((self._kind, self._issued, done))
+        else:
+            self._stats.add_seconds(self._kind, time.perf_counter() - start)
 
 
 CollectiveChecks = Literal["auto", "all", "off"]
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-
-
-def _name_code(name: str) -> int:
-    return zlib.crc32(name.encode())  # the same in every process (hash() is salted per process)
+_OP_ROW, _STEP_ROW, _EVENT_ROW = 1, 2, 3  # the first number of an agreement row (see control.py)
 
 
 class Comm:
-    """Collectives over one process group, counted in ``stats``, optionally checked first.
+    """Collectives over one process group, counted in ``stats``, checked against what the other ranks do.
 
     [Note: collective checks]
-    Collectives pair up by order: if ranks disagree on what comes next, gloo aborts the process
-    (different sizes) or, worse, exchanges the wrong data (same sizes). A *guarded* collective is
-    preceded by an all-gather of a 4-number descriptor (kind, name, element count, how many guarded
-    collectives this rank issued before); any difference raises ``CollectiveMismatchError`` on every
-    rank, naming what each rank was about to do, before the real collective runs. ``checks="auto"``
-    guards the calls whose order depends on the model's control flow (stage-3 gathers, called with
-    ``guard=True``); ``"all"`` every collective (a debugging mode: one extra tiny collective each);
-    ``"off"`` none.
+    Ranks that are about to issue different collectives must get an error, never a deadlock or
+    the wrong data (see [Note: agreements] in ``control.py``), without paying for it on every
+    collective. A *sequence* is what one rank does from the start of a step to the start of the
+    next: the strategies open one per step with ``begin_sequence(key, row, describe)``, an
+    agreement in which every rank says which step it is about to run (phase, counters, the hash
+    of its trainable set). Every collective of the step is then compared, on the host, with the
+    sequence the previous step of the same ``key`` ran:
+
+    - the same kind, unit and size at the same position: issued at once, no check (*on track*);
+    - anything else (the first step of each key, a branch taken for the first time, one call more
+      or less of a unit): this and every later collective of the step are agreed first.
+
+    The sequence a step ran then becomes the reference for the next. Every rank holds the same
+    reference: a step ends without error only if, at every position, either every rank was on
+    track (so did the same thing) or every rank agreed it. A rank that leaves the track while
+    another does not is caught by the stall report ([Note: stall reports]): one rank waits in an
+    agreement, the other in a collective the first will not issue. Outside steps (setup, a
+    callback reading ``state_dict()``, a checkpoint) the collectives whose order depends on
+    control flow (stage-3 gathers, ``guard=True``) are agreed one by one, as before. So, on the
+    step path: one agreement per step, no device synchronisation, nothing per unit.
+
+    ``checks="auto"`` is the above; ``"all"`` agrees every collective (a debugging mode); ``"off"``
+    agrees nothing (the stall report still turns a deadlock into an error).
 
     Example::
 
@@ -165,66 +234,174 @@ class Comm:
         comm.reduce_scatter(shard, full)    # sum over ranks
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None, checks: CollectiveChecks = "auto") -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        checks: CollectiveChecks = "auto",
+        control: ControlChannel | None = None,
+        run_alone: bool = False,
+    ) -> None:
         if checks not in ("auto", "all", "off"):
             raise ValueError(f"checks must be 'auto', 'all' or 'off', got {checks!r}")
         self.group = group
         initialized = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if initialized else 1
         self.rank = dist.get_rank(group) if initialized else 0
+        # A world of one skips every collective, unless ``run_alone`` (a process group of one rank must exist):
+        # then they run for real, so that one GPU exercises the NCCL path, its streams and its buffers.
+        self._skip = self.world_size == 1 and not (run_alone and initialized)
         self.stats = CommStats()
         self.checks = checks
-        self._guarded_calls = 0
+        self.control = control if not self._skip else None
         self._names: dict[int, str] = {}
         # See [Note: gloo all-to-all].
-        self.via_all_to_all = initialized and self.world_size > 1 and dist.get_backend(group) == "gloo"
+        self.via_all_to_all = not self._skip and self.world_size > 1 and dist.get_backend(group) == "gloo"
+        # A wait on NCCL orders streams and returns: only host-side waits need the stall report.
+        self._waits_block_host = not self._skip and dist.get_backend(group) != "nccl"
+        # See [Note: collective checks].
+        self._references: dict[str, list[tuple[int, int, int]]] = {}
+        self._key: str | None = None
+        self._step_text = ""
+        self._sequence: list[tuple[int, int, int]] = []
+        self._on_track = False
+        self._outstanding = 0
+        self.broken = False  # a check failed while collectives were in flight: this group can no longer be used
 
     def register_names(self, names: list[str]) -> None:
         """Names a mismatch report may need to print for another rank (the same model on every rank)."""
-        self._names.update({_name_code(n): n for n in names})
+        self._names.update({code_of(n): n for n in names})
 
-    def check_next(self, kind: str, name: str, numel: int, device: torch.device) -> None:
-        """Check, as for a guarded call, a collective that another library is about to issue."""
-        if self.world_size > 1:
-            self._check(kind, name, numel, device, guard=True)
-
-    def _check(self, kind: str, name: str, numel: int, device: torch.device, guard: bool) -> None:
-        if self.checks == "off" or (self.checks == "auto" and not guard):
+    # ------------------------------------------------------------------ sequences and agreements
+    def begin_sequence(self, key: str, row: list[int] | None, describe: Callable[[], str]) -> None:
+        """A step starts on every rank (see [Note: collective checks]): agree on ``row`` (at most six
+        integers, e.g. phase and step counters; ``None`` when the caller has just agreed on the step with
+        ``agree_step``) and compare this step's collectives with the last step of ``key``. ``describe()``
+        says, for an error message, which step this rank is starting."""
+        if row is not None:
+            self.agree_step(row, describe)
+        else:
+            self.end_sequence()
+        if self.control is None or self.checks == "off":
             return
-        self._names.setdefault(_name_code(name), name)
-        mine = torch.tensor([_KINDS.index(kind), _name_code(name), numel, self._guarded_calls], dtype=torch.int64)
-        everyone = torch.empty(4 * self.world_size, dtype=torch.int64, device=device)
-        self._timed(
-            "check",
-            everyone.numel() * 8 * (self.world_size - 1) // self.world_size,
-            _all_gather_single,
-            everyone,
-            mine.to(device),
-            group=self.group,
-        )
-        self._guarded_calls += 1
-        rows = everyone.view(self.world_size, 4).tolist()
-        if any(row != rows[0] for row in rows):
-            lines = [
-                f"rank {r}: {_KINDS[k]} of {self._names.get(c, 'an unknown unit')!r} ({n} elements, "
-                f"after {calls} checked collectives)"
-                for r, (k, c, n, calls) in enumerate(rows)
-            ]
-            raise CollectiveMismatchError(
-                "the ranks are about to issue different collectives, so they would deadlock or exchange the wrong "
-                "data:\n  " + "\n  ".join(lines) + "\nUnder stage 3 every rank must run the same submodules in the "
-                "same order (a data-dependent branch, a mixture-of-experts layer or a generation loop that stops "
-                "early on one rank breaks this). Run the same modules on every rank (e.g. call unused experts on an "
-                "empty batch), make the branch depend on all ranks, or use stage 1 or 2, which handle it."
-            )
+        self._key = key
+        self._step_text = describe()
+        self._sequence = []
+        self._on_track = self.checks == "auto" and key in self._references
 
-    def _timed(self, kind: str, bytes_sent: int, fn, *args, async_op: bool = False, **kwargs) -> Pending | None:
+    def agree_step(self, row: list[int], describe: Callable[[], str]) -> None:
+        """Agree that every rank is about to start the step ``row`` describes (ends the current sequence)."""
+        self.end_sequence()
+        if self.control is not None and self.checks != "off":
+            self._agree([_STEP_ROW, *row], lambda: f"start {describe()}", _explain)
+
+    def end_sequence(self) -> None:
+        """The step is over (the next one, or something outside steps, follows): its collectives become the
+        reference for the next step of the same key."""
+        if self._key is not None:
+            self._references[self._key] = self._sequence
+        self._key = None
+        self._sequence = []
+
+    def agree_event(
+        self,
+        name: str,
+        describe: Callable[[], str],
+        *numbers: int,
+        explain: Callable[[list[str]], str] | None = None,
+    ) -> None:
+        """Every rank is about to do ``name`` (a checkpoint save, a barrier, a teardown): make sure it is so,
+        or raise ``CollectiveMismatchError`` naming what each rank was doing (and ``explain``'s advice).
+        Ends the current sequence."""
+        self.end_sequence()
+        if self.control is not None and self.checks != "off":
+            self._agree([_EVENT_ROW, code_of(name), *numbers], describe, explain or _explain)
+
+    def check_next(self, kind: str, name: str, numel: int, device: torch.device | None = None) -> None:
+        """Agree, as for a guarded call, on a collective that another library is about to issue."""
+        self._before(kind, name, numel, guard=True)
+
+    def _agree(self, row: list[int], describe: Callable[[], str], explain: Callable[[list[str]], str]) -> None:
+        assert self.control is not None
+        if self.broken:
+            raise CollectiveMismatchError(_BROKEN)
+        before = self.control.bytes_sent
         start = time.perf_counter()
-        work = fn(*args, async_op=async_op, **kwargs) if async_op else fn(*args, **kwargs)
+        try:
+            self.control.agree(row, describe, explain)
+        except (CollectiveMismatchError, PeerFailureError):
+            self.broken = self.broken or self._outstanding > 0 or self.control.broken
+            raise
+        finally:
+            self.stats.record("check", self.control.bytes_sent - before, time.perf_counter() - start)
+
+    def _describe(self, kind: str, name: str, numel: int, position: int | None) -> str:
+        where = f"collective {position + 1} of {self._step_text}" if position is not None else "outside a step"
+        return f"{kind} of {name!r} ({numel} elements, {where})"
+
+    def _before(self, kind: str, name: str, numel: int, guard: bool) -> str:
+        """Track (and, where needed, agree on) the collective about to be issued; returns its description."""
+        if self.broken:
+            raise CollectiveMismatchError(_BROKEN)
+        code = code_of(name)
+        self._names.setdefault(code, name)
+        if self.control is None or self.checks == "off":
+            return f"{kind} of {name!r} ({numel} elements)"
+        if self._key is None:
+            describe = self._describe(kind, name, numel, None)
+            if guard or self.checks == "all":
+                self._agree([_OP_ROW, _KINDS.index(kind), code, numel], lambda: describe, _explain)
+            return describe
+        entry = (_KINDS.index(kind), code, numel)
+        position = len(self._sequence)
+        self._sequence.append(entry)
+        describe = self._describe(kind, name, numel, position)
+        reference = self._references.get(self._key)
+        if self._on_track and reference is not None and position < len(reference) and reference[position] == entry:
+            return describe
+        self._on_track = False
+        self._agree([_OP_ROW, *entry, position], lambda: describe, _explain)
+        return describe
+
+    def _wait(self, work: dist.Work, index: int, describe: str) -> None:
+        try:
+            if self.control is not None and self._waits_block_host:
+                self.control.wait(work, "main", index, lambda: describe)
+            else:
+                work.wait()
+        except (CollectiveMismatchError, PeerFailureError):
+            self.broken = True
+            raise
+        finally:
+            self._outstanding -= 1
+
+    def _timed(
+        self, kind: str, bytes_sent: int, describe: str, fn, *args, async_op: bool = False, **kwargs
+    ) -> Pending | None:
+        """Issue ``fn`` asynchronously and count it; wait for it now unless ``async_op``."""
+        issued = None
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+            issued = torch.cuda.Event(enable_timing=True)
+            issued.record()
+        start = time.perf_counter()
+        work = fn(*args, async_op=True, **kwargs)
         self.stats.record(kind, bytes_sent, time.perf_counter() - start)
-        if not async_op:
-            return None
-        return Pending(self.stats, kind, work, *(a for a in args if isinstance(a, torch.Tensor)))
+        index = -1
+        if self.control is not None:
+            index = self.control.issued["main"]
+            self.control.issued["main"] += 1
+        self._outstanding += 1
+        pending = Pending(
+            self.stats,
+            kind,
+            work,
+            *(a for a in args if isinstance(a, torch.Tensor)),
+            wait=lambda w: self._wait(w, index, describe),
+            issued=issued,
+        )
+        if async_op:
+            return pending
+        pending.wait()
+        return None
 
     def _ring_bytes(self, tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size() * (self.world_size - 1) // self.world_size
@@ -234,17 +411,24 @@ class Comm:
     ) -> Pending | None:
         """Concatenate every rank's ``shard`` into ``output`` (``shard`` may alias its own chunk). With
         ``async_op``, return a ``Pending`` to wait on before ``output`` is read."""
-        if self.world_size == 1:
+        if self._skip:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return Pending(self.stats, "all_gather", None) if async_op else None
-        self._check("all_gather", name, output.numel(), output.device, guard)
+        describe = self._before("all_gather", name, output.numel(), guard)
         gather, source = _all_gather_single, shard
         if self.via_all_to_all:  # see [Note: gloo all-to-all]; the copies also free ``shard`` to alias ``output``
             gather = dist.all_to_all_single
             source = shard.unsqueeze(0).expand(self.world_size, shard.numel()).contiguous()
         return self._timed(
-            "all_gather", self._ring_bytes(output), gather, output, source, group=self.group, async_op=async_op
+            "all_gather",
+            self._ring_bytes(output),
+            describe,
+            gather,
+            output,
+            source,
+            group=self.group,
+            async_op=async_op,
         )
 
     def reduce_scatter(
@@ -252,14 +436,21 @@ class Comm:
     ) -> Pending | None:
         """Sum ``full`` over ranks and keep this rank's chunk in ``shard``. With ``async_op``, return a
         ``Pending`` to wait on before ``shard`` is read (``full`` stays alive until then)."""
-        if self.world_size == 1:
+        if self._skip:
             shard.copy_(full)
             return Pending(self.stats, "reduce_scatter", None) if async_op else None
-        self._check("reduce_scatter", name, full.numel(), full.device, guard=False)
+        describe = self._before("reduce_scatter", name, full.numel(), guard=False)
         bytes_sent = self._ring_bytes(full)
         if not self.via_all_to_all:
             return self._timed(
-                "reduce_scatter", bytes_sent, _reduce_scatter_single, shard, full, group=self.group, async_op=async_op
+                "reduce_scatter",
+                bytes_sent,
+                describe,
+                _reduce_scatter_single,
+                shard,
+                full,
+                group=self.group,
+                async_op=async_op,
             )
         # See [Note: gloo all-to-all]: every rank's chunk for us arrives in ``chunks``; summed in rank order.
         chunks = torch.empty_like(full)
@@ -268,24 +459,39 @@ class Comm:
             torch.sum(chunks.view(self.world_size, -1), dim=0, out=shard)
 
         pending = self._timed(
-            "reduce_scatter", bytes_sent, dist.all_to_all_single, chunks, full, group=self.group, async_op=async_op
+            "reduce_scatter",
+            bytes_sent,
+            describe,
+            dist.all_to_all_single,
+            chunks,
+            full,
+            group=self.group,
+            async_op=async_op,
         )
         if pending is None:
             add_up()
             return None
         return pending.then(add_up)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-        if self.world_size == 1:
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, name: str = "") -> None:
+        if self._skip:
             return
-        self._check("all_reduce", "", tensor.numel(), tensor.device, guard=False)
-        self._timed("all_reduce", 2 * self._ring_bytes(tensor), dist.all_reduce, tensor, op=op, group=self.group)
+        describe = self._before("all_reduce", name, tensor.numel(), guard=False)
+        self._timed(
+            "all_reduce", 2 * self._ring_bytes(tensor), describe, dist.all_reduce, tensor, op=op, group=self.group
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast from group rank ``src``."""
-        if self.world_size == 1:
+        if self._skip:
             return
-        self._check("broadcast", "", tensor.numel(), tensor.device, guard=False)
+        describe = self._before("broadcast", "", tensor.numel(), guard=False)
         sent = tensor.numel() * tensor.element_size() if self.rank == src else 0
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
-        self._timed("broadcast", sent, dist.broadcast, tensor, src=global_src, group=self.group)
+        self._timed("broadcast", sent, describe, dist.broadcast, tensor, src=global_src, group=self.group)
+
+
+_BROKEN = (
+    "an earlier collective check failed while collectives were in flight, so this process group can no longer be "
+    "used: restart the run (see the first error)."
+)

@@ -34,12 +34,10 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -54,11 +52,13 @@ from typing_extensions import override
 
 from lightning_zero.engine import Comm, ShardedModel, module_class_policy
 from lightning_zero.engine.comm import CollectiveChecks
+from lightning_zero.engine.control import ControlChannel
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric.precision import check_precision, shard_scaler, skip_nonfinite_step
 from lightning_zero.fabric.wrapper import ShardedForward, StepBracket, ZeROBackwardSyncControl
+from lightning_zero.strategies import agreement
 from lightning_zero.strategies.options import (
     CheckpointFormat,
     StartMethod,
@@ -157,6 +157,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         self._backward_sync_control = ZeROBackwardSyncControl()
         self._sharded: ShardedModel | None = None
         self._meta_init: InitTrace | None = None
+        self._control: ControlChannel | None = None
         self._steps: StepBracket | None = None
         self._mesh: DeviceMesh | None = None
         self.skipped_steps = 0
@@ -186,6 +187,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        self._control = ControlChannel.create()  # see [Note: agreements] in engine/control.py
 
     # ------------------------------------------------------------------ model and optimizers
     @property
@@ -231,10 +233,12 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         param_dtype = check_precision(self.precision, self.param_dtype)
         trace = self._meta_init if has_meta_tensors(module) else None
         policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
+        comm = Comm(checks=self.collective_checks, control=self._control)
+        agreement.agree_on_trainable_set(comm, module)
         self._sharded = ShardedModel(
             module,
             stage=self.stage,
-            comm=Comm(checks=self.collective_checks),
+            comm=comm,
             policy=policy,
             broadcast_buffers=self.broadcast_buffers,
             param_dtype=param_dtype,
@@ -381,6 +385,8 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         call on every rank (see ``lightning_zero/fabric/checkpoint.py``)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        if self._sharded is not None:
+            self._sharded.comm.agree_event("save_checkpoint", lambda: f"fabric.save({str(path)!r})")
         target = Path(self.broadcast(str(path)))
         if self._sharded is not None and self.checkpoint_format == "sharded":
             checkpoint.save_sharded_state(self, state, target, filter)
@@ -406,24 +412,18 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
             if self._sharded is not None and group is None:
-                # Where ranks that ran different code meet: checked like the engine's own collectives.
-                self._sharded.comm.check_next("all_reduce", USER_REDUCE, tensor.numel(), tensor.device)
+                # Where ranks that ran different code meet: counted and checked like the engine's own collectives.
+                return agreement.reduce_like_lightning(self._sharded.comm, tensor, reduce_op, USER_REDUCE)
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        name = args[0] if args else kwargs.get("name")
+        agreement.barrier(
+            self._control, self._sharded and self._sharded.comm, self.collective_checks, name, self.root_device
+        )
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
+        return agreement.broadcast(self._sharded.comm if self._sharded is not None else None, obj, src)

@@ -21,6 +21,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_zero.engine import ShardedModel
+from lightning_zero.strategies import agreement
 
 
 class StepBracket:
@@ -37,14 +38,24 @@ class StepBracket:
     def __init__(self, sharded: ShardedModel) -> None:
         self.sharded = sharded
         self.open = False
+        self.counts = {"training": 0, "no_grad": 0}
+
+    def _agree(self, kind: str) -> None:
+        """Every rank starts the same step (see [Note: agreements] in ``engine/control.py``)."""
+        self.counts[kind] += 1
+        step = self.counts[kind]
+        what = "forward with gradients" if kind == "training" else "forward under no_grad"
+        agreement.begin_plain_step(self.sharded.comm, kind, step, lambda: f"{what} number {step}")
 
     def run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``module(*args, **kwargs)`` inside a step."""
         if torch.is_grad_enabled():
+            self._agree("training")
             self.sharded.begin_step()
             self.open = True
             return module(*args, **kwargs)
         held = self.sharded.root_held
+        self._agree("no_grad")
         self.sharded.begin_step(training=False)
         try:
             return module(*args, **kwargs)

@@ -12,7 +12,7 @@ the state-dict hooks convert between shards and the full, DDP-shaped state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -24,12 +24,10 @@ import torch.distributed
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -56,10 +54,11 @@ from lightning_zero.engine.checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_zero.engine.comm import CollectiveChecks
+from lightning_zero.engine.control import ControlChannel, abort_if_broken
 from lightning_zero.engine.files import find_checkpoint, remove_checkpoint
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
-from lightning_zero.strategies import checkpointing
+from lightning_zero.strategies import agreement, checkpointing
 from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
 from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure
 from lightning_zero.strategies.memory_report import MemoryReport, memory_report
@@ -108,11 +107,13 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             (checked across all ranks): ``"raise"`` (default) stops with an error naming the ranks and
             parameters, ``"skip"`` skips that step on every rank (counted in
             ``strategy.skipped_steps``, warned), ``"ignore"`` steps anyway as DDP does.
-        collective_checks: Before a collective, make sure every rank is about to issue the same one, and
-            otherwise raise ``CollectiveMismatchError`` on every rank, naming what each rank was doing,
-            instead of deadlocking or exchanging the wrong data. ``"auto"`` (default) checks the
-            collectives whose order depends on the model's control flow (stage-3 gathers); ``"all"``
-            checks every collective (debugging; one extra tiny collective each); ``"off"`` none.
+        collective_checks: Ranks agree, on a CPU gloo group and without a device synchronisation, on what they
+            are about to do, and otherwise raise ``CollectiveMismatchError`` on every rank, naming what each rank
+            was doing, instead of deadlocking or exchanging the wrong data. ``"auto"`` (default): the trainable
+            set at setup, every step, saves, barriers, broadcasts, the teardown, and the collectives that leave
+            the previous step's track (one agreement per step in a steady run); ``"all"``: every collective too
+            (debugging); ``"off"``: none. Whatever the setting, ranks that wait for each other in different
+            collectives raise within seconds (see ``docs/faults.md``).
         param_dtype: Mixed precision only (``precision="bf16-mixed"`` / ``"16-mixed"``): the dtype parameters
             are gathered and computed in (``torch.bfloat16``, ``torch.float16``, ``torch.float32``, or their
             names as strings). Default: the half type, so that stage 3 gathers half the bytes; fp32 master
@@ -214,6 +215,10 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         self._num_nodes = 1
         self._sharded: ShardedModel | None = None
         self._failed = False
+        self._control: ControlChannel | None = None
+        self._steps: dict[str, int] = {}
+        self._agreed_step: int | None = None
+        self._unwrap_batch_start: Callable[[], None] | None = None
         self._stats_logged_until: CommStats | None = None
         self._meta_init: InitTrace | None = None
         self._inserted_callbacks: list[pl.Callback] = []
@@ -245,6 +250,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        self._control = ControlChannel.create()  # see [Note: agreements] in engine/control.py
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -306,10 +312,13 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             self.model = precision.convert_module(self.model)  # a cast of meta layers is replayed too
         self.model_to_device()
         policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
+        comm = Comm(checks=self.collective_checks, control=self._control)
+        agreement.agree_on_trainable_set(comm, self.model)
+        self._steps = {}
         self._sharded = ShardedModel(
             self.model,
             stage=self.stage,
-            comm=Comm(checks=self.collective_checks),
+            comm=comm,
             policy=policy,
             broadcast_buffers=self.broadcast_buffers,
             param_dtype=self.param_dtype or precision.default_param_dtype,
@@ -332,6 +341,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             for optimizer in self.optimizers:
                 self._sharded.bind_optimizer(_unwrap(optimizer))
             self._inserted_callbacks = bracket_full_parameter_callbacks(self, trainer.callbacks)
+            if self._control is not None and self.collective_checks != "off":
+                self._unwrap_batch_start = agreement.wrap_batch_start(trainer, self._agree_on_next_batch)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -362,7 +373,14 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         # Another rank may not reach the collectives that a full teardown needs: do not wait for it,
         # unless the error is one that every rank raises at the same point (ours, checked everywhere).
-        self._failed = not isinstance(exception, RAISED_ON_EVERY_RANK)
+        broken = self._sharded is not None and self._sharded.comm.broken
+        self._failed = broken or not isinstance(exception, RAISED_ON_EVERY_RANK)
+        if self._control is not None:
+            self._control.explain(exception)
+            if self._failed:
+                self._control.report_failure(exception)  # the ranks waiting for this one stop at once
+        if broken:
+            abort_if_broken(self._sharded.comm)
         explain_peer_failure(exception)
 
     @override
@@ -370,7 +388,14 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         if self._inserted_callbacks and self._lightning_module is not None:
             unbracket(self._lightning_module.trainer.callbacks, self._inserted_callbacks)
         self._inserted_callbacks = []
+        if self._unwrap_batch_start is not None:
+            self._unwrap_batch_start()
+            self._unwrap_batch_start = None
         if self._sharded is not None:
+            if not self._failed:
+                fn = self.lightning_module.trainer.state.fn if self._lightning_module is not None else None
+                what = f"trainer.{fn.value}()" if fn is not None else "the run"
+                self._sharded.comm.agree_event("teardown", lambda: f"teardown at the end of {what}")
             self._sharded.release(gather=not self._failed)
             self._sharded = None
         module = self._lightning_module
@@ -395,6 +420,12 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     # ------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        module = self.lightning_module
+        assert module is not None
+        step = self._count_step("training")
+        accumulating = self.sharded_model.reducer.no_sync_requested
+        agreed, self._agreed_step = self._agreed_step == step, None
+        agreement.begin_training_step(self.sharded_model.comm, module.trainer, module, accumulating, step, agreed)
         self.sharded_model.begin_step()
         try:
             return super().training_step(*args, **kwargs)
@@ -424,12 +455,30 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         held_already = (
             root is not None and self.sharded_model.stage3 is not None and root in self.sharded_model.stage3.held
         )
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        phase = _eval_phase(trainer)
+        step = self._count_step(phase)
+        trained = self._steps.get("training", 0)
+        after = f"after {trained} training steps" if trained else "no training steps yet"
+        agreement.begin_eval_step(self.sharded_model.comm, phase, step, after)
         self.sharded_model.begin_step(training=False)
         try:
             yield
         finally:
             if not held_already:  # validation in the middle of gradient accumulation keeps the hold
                 self.sharded_model.end_step()
+
+    def _agree_on_next_batch(self) -> None:
+        """See [Note: the start of a training batch] in ``strategies/agreement.py``."""
+        module = self.lightning_module
+        assert module is not None
+        step = self._steps.get("training", 0) + 1
+        agreement.before_training_batch(self.sharded_model.comm, module.trainer, module, step)
+        self._agreed_step = step
+
+    def _count_step(self, phase: str) -> int:
+        self._steps[phase] = self._steps.get(phase, 0) + 1
+        return self._steps[phase]
 
     @override
     def optimizer_step(
@@ -581,6 +630,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         """Write a sharded checkpoint directory or a full ``.ckpt`` file, atomically; call on all ranks."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        if self._sharded is not None:
+            self._sharded.comm.agree_event("save_checkpoint", lambda: f"save_checkpoint({str(filepath)!r})")
         checkpointing.save(self, checkpoint, Path(self.broadcast(str(filepath))))
 
     @override
@@ -599,20 +650,13 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     # ------------------------------------------------------------------ collectives for Lightning
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        agreement.barrier(
+            self._control, self._sharded and self._sharded.comm, self.collective_checks, name, self.root_device
+        )
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
+        return agreement.broadcast(self._sharded.comm if self._sharded is not None else None, obj, src)
 
     @override
     def reduce(
@@ -620,10 +664,18 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
             if self._sharded is not None and group is None:
-                # Logging with sync_dist=True in a step: where ranks that ran different code meet.
-                self._sharded.comm.check_next("all_reduce", LIGHTNING_REDUCE, tensor.numel(), tensor.device)
+                # Logging with sync_dist=True, reduce_boolean_decision: counted and checked as the engine's own.
+                return agreement.reduce_like_lightning(self._sharded.comm, tensor, reduce_op, LIGHTNING_REDUCE)
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def _eval_phase(trainer: Any) -> str:
+    stage = getattr(getattr(trainer, "state", None), "stage", None)
+    value = getattr(stage, "value", "")
+    return {"sanity_check": "sanity check", "validate": "validation", "test": "test", "predict": "predict"}.get(
+        value, "validation"
+    )
 
 
 def _move_real_tensors(module: Module, device: torch.device) -> None:

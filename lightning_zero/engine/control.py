@@ -1,0 +1,410 @@
+"""Agreements between ranks, and the stall report that turns a hang into an error.
+
+[Note: agreements]
+Collectives pair up by order, so ranks that take different paths deadlock, or exchange the wrong
+data when the sizes happen to match. A ``ControlChannel`` is a second process group, always gloo
+on the CPU, next to the one that carries the tensors. Before something that ranks must do together
+(a step, a checkpoint save, a barrier, a collective that leaves the recorded order: see
+[Note: collective checks] in ``comm.py``), each rank all-gathers a row of eight integers that
+describes what it is about to do. Equal rows: carry on. Different rows: every rank sees the same
+rows, exchanges one line of text saying what it was doing, and raises ``CollectiveMismatchError``
+naming every rank, before any rank issued the real collective. The exchange is host memory on a
+host group: no device synchronisation, and on CUDA it overlaps the kernels already queued.
+
+[Note: stall reports]
+An agreement cannot help when one rank waits in a real collective that another rank will never
+issue (it took another path without knowing the first one had not). So every wait on a collective
+is made with a time limit, ``poll_seconds``; a wait that runs out publishes this rank's state in
+the rendezvous store (the ``TCPStore`` that ``init_process_group`` set up: waiting, on which
+collective of which group, what that collective is, how many collectives of each group it has
+issued) and reads every other rank's. The ranks are deadlocked when every rank waits and no rank's
+collective has been issued by all the others (none can be issued any more: everyone is blocked),
+seen the same way on two reads in a row (a state left over by a rank that has just moved on is
+replaced before the second read). Then every rank raises ``CollectiveMismatchError`` with what
+each was doing. A rank that fails publishes ``failed`` and its error, and the ranks waiting for it
+raise ``PeerFailureError`` within ``poll_seconds`` instead of waiting for the process group's
+timeout. Nothing is published while collectives complete in time: the cost is one store write and
+one read per rank and per ``poll_seconds`` of a wait that is already slow.
+
+On NCCL a wait does not block the host (it orders streams), so the host runs on to the next
+agreement, which is where ranks that diverged meet and fail; the NCCL communicator, which may hold
+a collective that will never complete, is then aborted (see ``abort_if_broken``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ROW = 8  # integers per agreement row
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks were about to do different things that must be done together (raised on every rank, naming each
+    rank's action, instead of a deadlock or an exchange of the wrong data)."""
+
+
+class PeerFailureError(RuntimeError):
+    """Another rank failed while this one waited for it in a collective (the message carries its error)."""
+
+
+def code_of(text: str) -> int:
+    """A number for ``text`` that is the same in every process (``hash()`` is salted per process)."""
+    return zlib.crc32(text.encode())
+
+
+@dataclass
+class _State:
+    status: str  # "running", "waiting", "failed" (``what`` is the error) or "mismatch" (``what`` is the message)
+    token: int
+    group: str = ""
+    index: int = -1
+    issued: dict[str, int] | None = None
+    what: str = ""
+
+
+class ControlChannel:
+    """A CPU gloo group for agreements, and the store for stall reports (see the notes above).
+
+    Example::
+
+        control = ControlChannel.create()            # on every rank, after init_process_group
+        control.agree([1, step], lambda: f"training step {step}")
+        control.wait(work, "main", index, lambda: "all_gather of 'blocks.0'")
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup, store: dist.Store | None, rank: int, world_size: int, poll_seconds: float
+    ) -> None:
+        self.group = group
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.poll_seconds = poll_seconds
+        self.issued: dict[str, int] = {"main": 0, "side": 0}
+        self._token = 0
+        self.broken = False  # a deadlock was found: collectives may be left in flight on this group
+        self.bytes_sent = 0
+        self.verdict: str | None = None  # a deadlock or failure the monitor found while the main thread was blocked
+        self._lock = threading.Lock()  # the store client is shared with the monitor thread
+        self._in_wait = False
+        if store is not None:
+            self._publish(_State("running", 0))
+            self._monitor = threading.Thread(
+                target=self._watch_direct_collectives,
+                args=(threading.main_thread().ident,),
+                name="lightning_zero stall monitor",
+                daemon=True,
+            )
+            self._monitor.start()
+
+    @classmethod
+    def create(cls, poll_seconds: float = 1.0, run_alone: bool = False) -> ControlChannel | None:
+        """The channel over all ranks, or ``None`` in a world of one. Creating one is a collective (call it on
+        every rank); later calls with the same default process group return the same channel, unless a
+        deadlock left it unusable (``broken``). ``run_alone``: a channel even in a world of one (see ``Comm``)."""
+        global _current
+        if not (dist.is_available() and dist.is_initialized()) or (dist.get_world_size() == 1 and not run_alone):
+            return None
+        world = dist.group.WORLD
+        if _current is not None and _current[0] is world and not _current[1].broken:
+            return _current[1]
+        number = _current[2] + 1 if _current is not None else 0
+        group = dist.new_group(backend="gloo")
+        try:
+            base = dist.distributed_c10d._get_default_store()
+            store: dist.Store | None = dist.PrefixStore(f"lightning_zero/control/{number}/", base)
+        except (AttributeError, RuntimeError, ValueError):
+            store = None  # agreements still work; stalls are left to the process group's timeout
+        channel = cls(group, store, dist.get_rank(), dist.get_world_size(), poll_seconds)
+        _current = (world, channel, number)
+        return channel
+
+    # ------------------------------------------------------------------ agreements
+    def agree(
+        self,
+        row: Sequence[int],
+        describe: Callable[[], str],
+        explain: Callable[[list[str]], str] | None = None,
+    ) -> None:
+        """Check that every rank passes the same ``row`` (at most eight integers); otherwise raise
+        ``CollectiveMismatchError`` on every rank with each rank's ``describe()`` and ``explain``'s advice."""
+        mine = torch.zeros(ROW, dtype=torch.int64)
+        mine[: len(row)] = torch.tensor([int(v) & 0x7FFFFFFFFFFFFFFF for v in row], dtype=torch.int64)
+        everyone = torch.empty(ROW * self.world_size, dtype=torch.int64)
+        index = self.issued["side"]
+        self.issued["side"] += 1
+        self.bytes_sent += everyone.numel() * 8 * (self.world_size - 1) // self.world_size
+        work = _all_gather_single(everyone, mine, group=self.group, async_op=True)
+        self.wait(work, "side", index, lambda: f"waiting for the other ranks to agree on: {describe()}")
+        rows = everyone.view(self.world_size, ROW)
+        if bool((rows == rows[0]).all()):
+            return
+        texts: list[Any] = [None] * self.world_size
+        self.issued["side"] += 1
+        dist.all_gather_object(texts, describe(), group=self.group)
+        lines = "\n  ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
+        advice = explain(texts) if explain is not None else ""
+        raise CollectiveMismatchError(
+            f"the ranks are about to do different things that they must do together, so they would deadlock or "
+            f"exchange the wrong data:\n  {lines}" + (f"\n{advice}" if advice else "")
+        )
+
+    # ------------------------------------------------------------------ waits (see [Note: stall reports])
+    def wait(self, work: dist.Work, group: str, index: int, describe: Callable[[], str]) -> None:
+        """Wait for ``work`` (collective number ``index`` issued on ``group``, "main" or "side"); raise instead
+        of waiting forever when the ranks can no longer meet."""
+        if self.store is None:
+            work.wait()
+            return
+        limit = timedelta(seconds=self.poll_seconds)
+        if _wait_for(work, limit):
+            return
+        self._in_wait = True
+        self._publish(_State("waiting", 0, group, index, dict(self.issued), describe()))
+        previous: list[_State] | None = None
+        try:
+            while not _wait_for(work, limit):
+                states = self._read_all()
+                error = self._verdict(states, previous)
+                if error is not None:
+                    self.broken = True
+                    raise error
+                previous = states
+        finally:
+            self._in_wait = False
+            with contextlib.suppress(RuntimeError, OSError):  # the store may be gone with rank 0: keep the real error
+                self._publish(_State("running", 0))
+
+    def _watch_direct_collectives(self, main: int | None) -> None:
+        """The monitor thread: publish a state for the main thread while it is blocked in a collective that
+        does not go through this library (``torch.distributed`` called by Lightning, torchmetrics or user code),
+        so that the ranks waiting in this library's collectives can see the deadlock; and keep the verdict, to
+        explain the error that the blocked call raises once the other ranks have stopped."""
+        seen: tuple[int, int] | None = None
+        published = False
+        previous: list[_State] | None = None
+        while True:
+            time.sleep(self.poll_seconds)
+            try:
+                frame = sys._current_frames().get(main) if main is not None else None
+                blocked = None if self._in_wait or frame is None else _direct_collective(frame)
+                if blocked is None:
+                    if published and not self._in_wait:
+                        self._publish(_State("running", 0))
+                    seen, published, previous = None, False, None
+                    continue
+                where, text = blocked
+                if where != seen:
+                    seen, published, previous = where, False, None
+                    continue  # blocked for one poll: may still complete on its own
+                if not published:
+                    self._publish(_State("waiting", 0, "direct", -1, dict(self.issued), text))
+                    published = True
+                    continue
+                states = self._read_all()
+                error = self._verdict(states, previous)
+                if error is not None:
+                    self.verdict = str(error)
+                previous = states
+            except Exception:  # the store or the process is going away: nothing left to report
+                return
+
+    def explain(self, error: BaseException) -> None:
+        """Add what the monitor found (a deadlock), or which rank failed and how, to ``error``'s message (in
+        place): a rank that fails and exits shows up here as a closed connection."""
+        verdict = self.verdict
+        if verdict is None and self.store is not None and not isinstance(error, CollectiveMismatchError):
+            try:
+                states = self._read_all()
+            except PeerFailureError:
+                states = []
+            found = self._verdict(states, None) if states else None  # a failed rank, or a mismatch it published
+            verdict = str(found) if found is not None else None
+        if verdict and verdict not in str(error):
+            error.args = (f"{error}\nlightning_zero: {verdict}", *error.args[1:])
+
+    def report_failure(self, error: BaseException) -> None:
+        """Tell the other ranks, through the store, that this rank failed and why (best effort). A deadlock this
+        rank found is passed on as it is, so that every rank raises the same ``CollectiveMismatchError``."""
+        if self.store is None:
+            return
+        if isinstance(error, CollectiveMismatchError):
+            state = _State("mismatch", 0, what=str(error))
+        else:
+            text = f"{type(error).__name__}: {error}".strip().splitlines()
+            state = _State("failed", 0, what=text[0][:300] if text else type(error).__name__)
+        try:
+            self._publish(state)
+        except (RuntimeError, OSError):  # the store's host (rank 0) may be gone already
+            pass
+
+    def _publish(self, state: _State) -> None:
+        assert self.store is not None
+        with self._lock:
+            self._token += 1
+            state.token = self._token
+            self.store.set(f"state/{self.rank}", json.dumps(state.__dict__))
+
+    def _read_all(self) -> list[_State]:
+        assert self.store is not None
+        keys = [f"state/{r}" for r in range(self.world_size)]
+        try:
+            with self._lock:
+                raw = self.store.multi_get(keys)
+        except (RuntimeError, OSError) as err:
+            raise PeerFailureError(
+                "the rendezvous store stopped answering while this rank waited in a collective: rank 0, which hosts "
+                f"it, has probably exited or failed ({err}). Its log says why."
+            ) from err
+        return [_State(**json.loads(bytes(value).decode())) for value in raw]
+
+    def _verdict(self, states: list[_State], previous: list[_State] | None) -> BaseException | None:
+        for r, state in enumerate(states):
+            if state.status == "mismatch" and r != self.rank:
+                return CollectiveMismatchError(state.what)  # found by rank r first: the same error everywhere
+        failed = [(r, s) for r, s in enumerate(states) if s.status == "failed" and r != self.rank]
+        if failed:
+            lines = "; ".join(f"rank {r} failed with {s.what}" for r, s in failed)
+            mine = states[self.rank].what if states[self.rank].status == "waiting" else ""
+            return PeerFailureError(
+                f"{lines}"
+                + (f"; rank {self.rank} was waiting for it in: {mine}" if mine else "")
+                + ". The cause is in the failed rank's traceback."
+            )
+        if previous is None or [(s.status, s.token) for s in states] != [(s.status, s.token) for s in previous]:
+            return None
+        if any(s.status != "waiting" for s in states):
+            return None  # a rank is still working: it may yet issue what the others wait for
+        direct = [s.what for s in states if s.group == "direct"]
+        if len(direct) == len(states) or len(direct) != len(set(direct)):
+            return None  # ranks in the same collective this library does not see: it may just be slow
+        for state in states:
+            if state.group != "direct" and all((o.issued or {}).get(state.group, 0) > state.index for o in states):
+                return None  # every rank has issued this collective: it will complete
+        lines = "\n  ".join(f"rank {r}: {s.what}" for r, s in enumerate(states))
+        advice = explain_texts([s.what for s in states]) or (
+            "Every rank must run the same collectives in the same order: the same number of steps and batches, the "
+            "same submodules in the same order under stage 3, and checkpoint saves, barriers and synced logging on "
+            "every rank."
+        )
+        return CollectiveMismatchError(
+            f"the ranks are waiting for each other in different collectives and none can complete (a deadlock), "
+            f"found after {2 * self.poll_seconds:.0f} s of waiting:\n  {lines}\n{advice}\nSee docs/faults.md."
+        )
+
+
+_COLLECTIVES = frozenset(
+    "all_gather all_gather_object all_gather_into_tensor all_gather_single all_reduce all_to_all all_to_all_single "
+    "barrier broadcast broadcast_object_list gather gather_object reduce reduce_scatter reduce_scatter_tensor "
+    "reduce_scatter_single scatter scatter_object_list monitored_barrier".split()
+)
+
+
+def _direct_collective(frame: Any) -> tuple[tuple[int, int], str] | None:
+    """If ``frame``'s thread is inside a ``torch.distributed`` collective: where (to tell a new call from the
+    same one) and a description naming the caller; else ``None``."""
+    collective = None
+    f = frame
+    while f is not None:
+        code = f.f_code
+        if collective is None and code.co_name in _COLLECTIVES and "torch/distributed" in code.co_filename:
+            collective = f
+        elif collective is not None and "torch/distributed" not in code.co_filename:
+            caller = f"{_short(code.co_filename)}:{f.f_lineno}"
+            text = f"torch.distributed.{collective.f_code.co_name}, called from {caller} ({code.co_name})"
+            return (id(collective), id(f)), text
+        f = f.f_back
+    return None
+
+
+def _short(filename: str) -> str:
+    parts = filename.replace("\\", "/").split("/")
+    for anchor in ("site-packages", "lightning_zero", "tests"):
+        if anchor in parts:
+            return "/".join(parts[parts.index(anchor) + (1 if anchor == "site-packages" else 0) :])
+    return "/".join(parts[-2:])
+
+
+def _wait_for(work: dist.Work, limit: timedelta) -> bool:
+    """Wait at most ``limit`` for ``work``; ``False`` if it is still running (errors propagate)."""
+    try:
+        work.wait(timeout=limit)
+    except RuntimeError as err:
+        if "timed out" in str(err).lower() and not work.is_completed():
+            return False
+        raise
+    return True
+
+
+# The channel of the current default process group, and a number that keeps each channel's store keys apart.
+_current: tuple[Any, ControlChannel, int] | None = None
+
+
+def abort_if_broken(comm: Any) -> None:
+    """After a failed check with collectives in flight (``comm.broken``): on NCCL, abort the communicator, which
+    may hold a collective that can never complete (it would block the process's exit); gloo needs nothing, its
+    pending operations end with the connections.
+
+    [Note: NCCL after a mismatch]
+    A rank that stays on the recorded track issues its NCCL collectives without waiting on the host,
+    so when another rank leaves the track, kernels may be queued that no peer will join. The error
+    is raised from the next agreement on the host; the stream behind it stays blocked. Destroying
+    the process group would wait for it, so the communicator is aborted instead, as torch's own
+    NCCL watchdog does after a timeout; the process can then exit, and the user restarts from a
+    checkpoint (nothing written is lost: saves are agreed before any rank writes)."""
+    if not getattr(comm, "broken", False) or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend(comm.group) != "nccl":
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort(comm.group)
+
+
+_COLLECTIVE_TEXT = re.compile(
+    r"(waiting for the other ranks to agree on: )?(all_gather|reduce_scatter|all_reduce|broadcast) of"
+)
+
+
+def explain_texts(texts: list[str]) -> str:
+    """Advice for a failed agreement, from what the ranks said they were doing."""
+    advice = []
+    if any(
+        re.match(r"(waiting for the other ranks to agree on: )?(all_gather|reduce_scatter|all_reduce|broadcast) of", t)
+        for t in texts
+    ):
+        advice.append(
+            "Under stage 3 every rank must run the same submodules in the same order (a data-dependent branch, a "
+            "mixture-of-experts layer, a forward under torch.no_grad() on some ranks only, or a generation loop "
+            "that stops early on one rank breaks this). Run the same modules on every rank (e.g. call unused "
+            "experts on an empty batch), make the branch depend on all ranks, or use stage 1 or 2, which handle it."
+        )
+    if any("save_checkpoint" in t for t in texts):
+        advice.append(
+            "trainer.save_checkpoint is a collective under lightning_zero (every rank writes its part): call it on "
+            "every rank, not under `if trainer.is_global_zero` (ModelCheckpoint already does this right)."
+        )
+    if any(t.startswith(("start ", "teardown")) for t in texts) and not any("save_checkpoint" in t for t in texts):
+        advice.append(
+            "Every rank must run the same steps: the same number of batches per epoch (with "
+            "use_distributed_sampler=False, your sampler must give every rank as many batches, e.g. "
+            "DistributedSampler(drop_last=True)), and the same trainable parameters (freeze and unfreeze on every "
+            "rank alike)."
+        )
+    if any(t.startswith(("barrier", "broadcast")) for t in texts):
+        advice.append("Barriers and broadcasts must be reached by every rank.")
+    return "\n".join(advice)

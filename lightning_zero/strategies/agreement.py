@@ -1,0 +1,174 @@
+"""What the strategies ask every rank to agree on (see [Note: agreements] in ``engine/control.py``).
+
+- at setup: the trainable set (as ``DDPStrategy`` checks that every rank has the same parameters);
+- at the start of every step: which step it is (phase, epoch, step counter, trainable set, whether
+  gradients are being accumulated), so that a rank that ran out of data, went on to validation or
+  froze a layer alone is named at once instead of pairing its collectives with another step's;
+- before a checkpoint save or load, a barrier, a broadcast, a teardown.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Module
+
+from lightning_zero.engine import Comm
+from lightning_zero.engine.control import ControlChannel
+
+_PHASES = ("training", "validation", "sanity check", "test", "predict", "step")
+
+
+def trainable_hash(module: Module) -> int:
+    """A number that differs between ranks whose modules differ in which parameters require a gradient."""
+    return zlib.crc32(bytes(int(p.requires_grad) for p in module.parameters()))
+
+
+def agree_on_trainable_set(comm: Comm, module: Module) -> None:
+    """Refuse, on every rank, a model whose trainable set (or parameter count) differs between ranks."""
+    names = [name for name, p in module.named_parameters()]
+    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
+
+    def describe() -> str:
+        listed = ", ".join(repr(n) for n in frozen[:6]) + (", ..." if len(frozen) > 6 else "")
+        return f"setup with {len(names)} parameter tensors, {len(names) - len(frozen)} trainable" + (
+            f" (frozen: {listed})" if frozen else " (none frozen)"
+        )
+
+    comm.agree_event(
+        "setup: trainable parameters",
+        describe,
+        len(names),
+        len(frozen),
+        trainable_hash(module),
+        explain=lambda texts: (
+            "The model must be the same on every rank, with the same parameters requiring a gradient, as "
+            "DDPStrategy requires: set requires_grad (freeze layers) identically on every rank, before fit."
+        ),
+    )
+
+
+def _training_row(trainer: Any, module: Module, step: int, batch_idx: int) -> tuple[list[int], Callable[[], str]]:
+    epoch = int(getattr(trainer, "current_epoch", 0))
+    trainable = trainable_hash(module)
+
+    def describe() -> str:
+        return f"training step {step} (epoch {epoch}, batch_idx {batch_idx}, trainable set #{trainable:08x})"
+
+    return [_PHASES.index("training"), epoch, step, trainable], describe
+
+
+def before_training_batch(comm: Comm, trainer: Any, module: Module, step: int) -> None:
+    """Agree on the training step every rank is about to start, before the batch is fetched (see
+    ``wrap_batch_start``)."""
+    row, describe = _training_row(trainer, module, step, _batch_in_epoch(trainer))
+    comm.agree_step(row, describe)
+
+
+def begin_training_step(comm: Comm, trainer: Any, module: Module, accumulating: bool, step: int, agreed: bool) -> None:
+    """Start the sequence of training step ``step`` (counted since setup); agree on it first unless
+    ``before_training_batch`` already did."""
+    row, describe = _training_row(trainer, module, step, _batch_in_epoch(trainer) - 1)
+    key = "training (accumulating)" if accumulating else "training"
+    comm.begin_sequence(key, None if agreed else row, describe)
+
+
+def wrap_batch_start(trainer: Any, agree: Callable[[], None]) -> Callable[[], None] | None:
+    """Run ``agree`` where Lightning's training loop starts a batch, before anything else it does there.
+
+    [Note: the start of a training batch]
+    Lightning's training loop begins every batch, before fetching it, with a ``torch.distributed.broadcast``
+    of rank 0's SIGTERM flag (``_TrainingEpochLoop._broadcast_sigterm_tensor``), on the default group and
+    outside any strategy hook. A rank that has run out of batches never gets there, so the others would wait
+    in that broadcast, out of this library's reach, for the process group's timeout. The strategy therefore
+    wraps that method on the Trainer's loop object (an attribute of the instance, removed at teardown) so that
+    the step agreement comes first: the ranks that are about to start a batch meet the rank that went on to
+    validation or to the end of fit in an agreement, which names them. Without that method (another
+    Lightning version) nothing is wrapped, and the agreement happens in ``training_step`` as before.
+    Returns the function that removes the wrapper."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    original = getattr(loop, "_broadcast_sigterm_tensor", None)
+    if loop is None or original is None or "_broadcast_sigterm_tensor" in vars(loop):
+        return None
+
+    def start_batch() -> None:
+        agree()
+        original()
+
+    loop._broadcast_sigterm_tensor = start_batch
+
+    def remove() -> None:
+        vars(loop).pop("_broadcast_sigterm_tensor", None)
+
+    return remove
+
+
+def begin_eval_step(comm: Comm, phase: str, step: int, after: str) -> None:
+    """Agree on the evaluation step every rank starts (``phase``: validation, sanity check, test, predict)."""
+
+    def describe() -> str:
+        return f"{phase} step {step} ({after})"
+
+    comm.begin_sequence("evaluation", [_PHASES.index(phase), step], describe)
+
+
+def begin_plain_step(comm: Comm, key: str, step: int, describe: Callable[[], str]) -> None:
+    """Agree on a step counted by the caller (Fabric: a forward, and its backward when training)."""
+    comm.begin_sequence(key, [_PHASES.index("step"), zlib.crc32(key.encode()), step], describe)
+
+
+def reduce_like_lightning(comm: Comm, tensor: Tensor, reduce_op: object, name: str) -> Tensor:
+    """``lightning.fabric.utilities.distributed._sync_ddp`` through ``comm`` (counted and checked like the
+    engine's own collectives): ``"mean"``/``"avg"`` sums, then divides by the world size."""
+    divide = False
+    if isinstance(reduce_op, str):
+        lowered = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
+        if lowered == "avg":
+            op, divide = dist.ReduceOp.SUM, True
+        else:
+            op = getattr(dist.ReduceOp, lowered.upper())
+    else:
+        op = dist.ReduceOp.SUM if reduce_op is None else reduce_op
+    comm.all_reduce(tensor, op=op, name=name)
+    if not divide:
+        return tensor
+    if not torch.is_floating_point(tensor):
+        return tensor.copy_(tensor / comm.world_size)
+    return tensor.div_(comm.world_size)
+
+
+def _batch_in_epoch(trainer: object) -> int:
+    try:
+        return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)  # type: ignore[attr-defined]
+    except AttributeError:
+        return -1
+
+
+def barrier(control: ControlChannel | None, comm: Comm | None, checks: str, name: str | None, device: Any) -> None:
+    """A barrier that names the ranks that are elsewhere: the agreement is a barrier itself (every rank must join
+    it). Without a control channel, or with checks off, ``torch.distributed.barrier``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if control is not None and checks != "off":
+        comm = comm if comm is not None else Comm(checks="auto", control=control)
+        comm.agree_event(f"barrier {name or ''}", lambda: f"barrier({name!r})")
+    elif dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast(comm: Comm | None, obj: Any, src: int) -> Any:
+    """``broadcast_object_list`` of one object from ``src``, agreed first (a rank that is elsewhere is named)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    if comm is not None:
+        comm.agree_event("broadcast", lambda: f"broadcast of a {type(obj).__name__} from rank {src}")
+    holder = [obj]
+    dist.broadcast_object_list(holder, src, group=dist.group.WORLD)
+    return holder[0]
