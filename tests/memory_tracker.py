@@ -5,14 +5,20 @@ functions, copies, collectives) returns inside the block, keeps a weak reference
 each op adds up the current size of the distinct storages still alive. A storage resized to zero
 bytes (a stage-3 unit released) counts as zero from then on; a tensor dropped stops counting.
 Tensors created before the block are not counted, so the figure is what the block added.
+
+``live_storages`` / ``live_bytes_since`` count differently: every tensor storage the Python heap
+reaches at one moment (parameters, their ``.grad``, optimizer states, buffers an engine keeps), for
+"live memory now" without tracking a block of code.
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -61,3 +67,29 @@ class LiveStorageBytes(TorchDispatchMode):
 
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata  # the StorageImpl: the same for every view of it
+
+
+def live_storages() -> dict[tuple[str, int], tuple[int, Any]]:
+    """Every tensor storage the Python heap reaches now (each once, any device): its bytes and a weak reference
+    to one tensor on it. Storages only C++ holds (DDP's own gradient buckets) are not seen, which flatters DDP,
+    the denominator."""
+    gc.collect()
+    seen: dict[tuple[str, int], tuple[int, Any]] = {}
+    tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+    # A ``.grad`` that autograd set has no Python object until someone reads it: read it.
+    tensors += [t.grad for t in tensors if isinstance(t, nn.Parameter) and t.grad is not None]
+    for tensor in tensors:
+        if tensor.is_meta:
+            continue
+        try:
+            storage = tensor.untyped_storage()
+            seen[(str(tensor.device), storage.data_ptr())] = (storage.nbytes(), weakref.ref(tensor))
+        except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without storage (a marker)
+            continue
+    return seen
+
+
+def live_bytes_since(before: dict[tuple[str, int], tuple[int, Any]]) -> int:
+    """Bytes of every storage alive now (see ``live_storages``) but those already alive at ``before``."""
+    old = {key for key, (_, ref) in before.items() if ref() is not None}
+    return sum(size for key, (size, _) in live_storages().items() if key not in old)

@@ -520,8 +520,7 @@ def _prefetch_and_reshard_options(rank: int, world_size: int) -> None:
             opt.zero_grad()
             gathers.append(sharded.comm.stats.since(before).calls("all_gather"))
             assert all(u.flat.untyped_storage().nbytes() == 0 for u in units), "every unit is freed after the step"
-            # Reduce buffers kept for the next step: a few, whatever the number of unit sizes.
-            assert len(sharded.reducer._pool) <= sharded.reducer.max_in_flight + 1
+            assert not sharded.reducer._pool, "no reduce buffer outlives the backward pass"
         where = f"prefetch={prefetch} reshard_after_forward={reshard}"
         names = [u.name for u in units]
         for position, (name, gathered) in enumerate(seen):  # the last step: prefetching along the recorded order

@@ -1,20 +1,50 @@
 """Turning full gradients into sharded ones: when, in which order, and where they land.
 
 [Note: reduce order]
-Every rank must issue the same collectives in the same order. Units are therefore reduced in
-one fixed order, the reverse of registration order (which is the usual order of backward). A
-unit is reduced from a gradient hook as soon as all of its trainable parameters have their
-gradient *and* every unit before it in that order has been reduced; whatever is left
-(parameters unused in this backward, on this rank) is reduced when the backward pass ends.
-Stage 1 reduces only on the micro-batch that synchronises: under ``no_sync`` (gradient
-accumulation) it keeps accumulating full gradients; stages 2 and 3 reduce every micro-batch.
+Every rank must issue the same collectives in the same order, and a unit should be reduced (and its
+full gradients freed) as soon as its gradients are complete. The two meet in an order that every
+rank knows in advance, as DDP rebuilds its buckets after the first iteration:
+
+- on the first backward pass that reduces, units are reduced in the reverse of registration order
+  (the usual order of backward), and each rank records the order in which its units *completed*
+  (all of their trainable parameters have their gradient); units that never completed follow, in
+  reverse registration order;
+- when that backward pass ends, a hash of the recorded order travels in the one all-reduce that
+  backward already issues (see [Note: which gradients exist]): if every rank recorded the same
+  order, it becomes the reduce order from the next backward on; if not (control flow that differs
+  between ranks), every rank keeps the reverse registration order. Either way all ranks agree,
+  without a collective per unit.
+
+A unit is reduced from a gradient hook as soon as it is complete *and* every unit before it in the
+order has been reduced; whatever is left (parameters unused in this backward, on this rank) is
+reduced when the backward pass ends. The order cannot skip a unit that is incomplete on this rank:
+whether another rank uses that unit is not known here, and if it does, that rank reduces it now
+while this one would move on to the next, pairing different collectives. Skipping needs a rule
+that reads only what every rank knows, and the recorded order is that rule: a unit unused on the
+first step (or registered where it does not run) sits at its end, so it blocks nothing; one that
+stops being used later, on one rank, delays the units after it on that rank to the end of backward
+(correct, only later). Stage 1 reduces only on the micro-batch that synchronises: under ``no_sync``
+(gradient accumulation) it keeps accumulating full gradients; stages 2 and 3 reduce every
+micro-batch.
+
+[Note: one end of backward]
+``finish_backward`` must run once per backward pass. It is queued on the autograd engine from the
+first hook of a pass; under reentrant activation checkpointing (``checkpoint(use_reentrant=True)``)
+that hook may fire inside the *nested* backward the checkpoint runs, whose queued callbacks run when
+the nested pass ends, while the outer one still has work to do. A callback therefore checks whether
+it runs inside a node of an outer pass (``torch._C._current_autograd_node()`` is that node, and
+``None`` at the end of the outermost pass); if so it hands itself to that node, whose post-hook
+queues it again on the outer pass.
 
 [Note: overlap]
 Each reduce-scatter is issued asynchronously, so that it runs while backward goes on computing
-the gradients of the units below. At most ``max_in_flight`` are in flight: issuing one more
-first waits for the oldest, which bounds the full-size gradient buffers alive at once. The rest
-are waited for when backward ends, before anything reads a sharded gradient. Full-size buffers
-are reused from step to step: a pool of at most ``max_in_flight + 1`` buffers in all.
+the gradients of the units below. The full-size buffers that reductions read are bounded in bytes,
+not in count: those in flight plus those kept for reuse hold at most ``max_in_flight_bytes`` (by
+default, the buffers of the two largest units), so many small units may be in flight at once and
+two large ones at most; issuing one more first waits for the oldest. The rest are waited for when
+backward ends, before anything reads a sharded gradient. A buffer is reused within a backward pass
+only: when the pass ends none is kept, so nothing full-size outlives the collectives that needed
+it (the memory between steps is the sharded state alone).
 
 [Note: which gradients exist]
 DDP leaves ``grad`` as ``None`` for a parameter that no rank used. To match it, each rank
@@ -45,10 +75,11 @@ one. Units in which nothing requires a gradient are skipped, on every rank alike
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -131,24 +162,28 @@ class GradReducer:
         reduce_every_micro_batch: bool,
         after_unit_reduced: UnitCallback | None = None,
         after_backward: Callable[[], None] | None = None,
-        max_in_flight: int = 2,
+        max_in_flight_bytes: int | None = None,
     ) -> None:
         self.units = units
-        self.order = list(reversed(units))
+        self.order = list(reversed(units))  # the reduce order (see [Note: reduce order])
+        self.order_agreed = False  # True once the order recorded on the first backward is settled
+        self._completed: list[ShardedUnit] = []  # this backward's completion order, while recording
         self.reduce_every_micro_batch = reduce_every_micro_batch
         self.after_unit_reduced = after_unit_reduced
         self.after_backward = after_backward
-        self.max_in_flight = max(1, max_in_flight)
+        sizes = sorted((_buffer_bytes(u) for u in units), reverse=True)
+        self.max_in_flight_bytes = max_in_flight_bytes if max_in_flight_bytes is not None else sum(sizes[:2])
         self.sync_enabled = True
         self.no_sync_requested = False  # inside ``no_sync`` (whether or not this stage still reduces)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        # Full-size buffers whose reduction is done, for reuse within this backward pass (see [Note: overlap]).
         self._pool: deque[tuple[tuple[int, torch.dtype, torch.device], torch.Tensor]] = deque()
         # Per-backward state.
         self._ready: dict[ShardedUnit, set[int]] = {u: set() for u in self.order}
         self._next = 0
         self._callback_queued = False
         self._in_flight: deque[ReducedGrads] = deque()
-        self._pending: list[tuple[ShardedUnit, torch.Tensor, list[bool]]] = []
+        self._pending: list[_Reduced] = []
         self._expected: dict[ShardedUnit, int] = {}  # per backward: parameters that require a gradient now
         # See [Note: gradient markers]: each parameter's marker, and the parameters whose marker was intact
         # when a new gradient arrived (their sharded gradient accumulates).
@@ -178,6 +213,8 @@ class GradReducer:
             if not self.sync_enabled:
                 return
             self._ready[unit].add(index)
+            if not self.order_agreed and self._is_complete(unit) and unit not in self._completed:
+                self._completed.append(unit)
             self._reduce_ready_in_order()
 
         return hook
@@ -226,10 +263,17 @@ class GradReducer:
         self._carry.discard(param)
 
     def queue_finish(self) -> None:
-        """Make sure ``finish_backward`` runs when the current backward pass ends."""
+        """Make sure ``finish_backward`` runs once, when the current (outermost) backward pass ends."""
         if not self._callback_queued:
             self._callback_queued = True
-            Variable._execution_engine.queue_callback(self.finish_backward)
+            Variable._execution_engine.queue_callback(self._end_of_pass)
+
+    def _end_of_pass(self) -> None:
+        node = torch._C._current_autograd_node()
+        if node is not None:  # a nested pass ended (see [Note: one end of backward]): wait for the outer one
+            node.register_hook(_once(lambda: Variable._execution_engine.queue_callback(self._end_of_pass)))
+            return
+        self.finish_backward()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -261,34 +305,45 @@ class GradReducer:
             self._take_marker(param)  # of a parameter this backward did not reach
             if param not in self._carry:
                 shard_param.grad = None  # zeroed by the user: free it before the new one arrives
-        buffer = self._take_buffer((unit.layout.padded_numel, unit.reduce_dtype, unit.device))
+        size = _buffer_bytes(unit)
+        while self._in_flight and self._in_flight_bytes() + size > self.max_in_flight_bytes:
+            self._complete_oldest()
+        buffer = self._take_buffer((unit.layout.padded_numel, unit.reduce_dtype, unit.device), size)
         self._in_flight.append(unit.reduce_grads(async_op=True, buffer=buffer, give_back=self._give_back))
         self._next += 1
-        while len(self._in_flight) > self.max_in_flight:
-            self._complete_oldest()
         if self.after_unit_reduced is not None:
             self.after_unit_reduced(unit)
 
-    def _take_buffer(self, key: tuple[int, torch.dtype, torch.device]) -> torch.Tensor | None:
+    def _in_flight_bytes(self) -> int:
+        return sum(_buffer_bytes(r.unit) for r in self._in_flight if r.in_flight)
+
+    def _pool_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for _, b in self._pool)
+
+    def _take_buffer(self, key: tuple[int, torch.dtype, torch.device], size: int) -> torch.Tensor | None:
+        """A kept buffer of this shape, else ``None`` (a new one is made): kept ones that do not fit go first, so
+        that in flight and kept stay within ``max_in_flight_bytes`` (see [Note: overlap])."""
         for index, (buffer_key, buffer) in enumerate(self._pool):
             if buffer_key == key:
                 del self._pool[index]
                 return buffer
+        while self._pool and self._in_flight_bytes() + self._pool_bytes() + size > self.max_in_flight_bytes:
+            self._pool.popleft()
         return None
 
     def _give_back(self, buffer: torch.Tensor) -> None:
-        # At most max_in_flight + 1 buffers in all, whatever their sizes: units of many sizes must not add up
-        # to a full set of gradients kept between steps. The oldest goes first.
         self._pool.append(((buffer.numel(), buffer.dtype, buffer.device), buffer))
-        while len(self._pool) > self.max_in_flight + 1:
+        while self._pool and self._in_flight_bytes() + self._pool_bytes() > self.max_in_flight_bytes:
             self._pool.popleft()
 
     def _complete_oldest(self) -> None:
         reduced = self._in_flight.popleft()
-        self._pending.append((reduced.unit, reduced.wait(), reduced.had_grad))
+        shard = reduced.wait()
+        assert reduced.total is not None
+        self._pending.append(_Reduced(reduced.unit, shard, reduced.had_grad, reduced.total))
 
     def drop_buffers(self) -> None:
-        """Free the reusable gradient buffers (they are reallocated when needed)."""
+        """Free the reusable gradient buffers (each backward pass drops them when it ends)."""
         self._pool.clear()
 
     def finish_backward(self) -> None:
@@ -303,6 +358,8 @@ class GradReducer:
         finally:
             while self._in_flight:  # after an error: nothing may still write into freed memory
                 self._in_flight.popleft().wait()
+            self._pool.clear()  # nothing full-size outlives the backward pass (see [Note: overlap])
+            self._completed = []
             self._next = 0
             self._callback_queued = False
             self._pending.clear()
@@ -315,22 +372,35 @@ class GradReducer:
     def _attach_pending(self) -> None:
         if not self._pending:
             return
+        pending = self._pending
         device = self.order[0].device
         # One small all-reduce (MAX: "on any rank", which cannot overflow at any world size) carries which
-        # parameters got a gradient and, per unit, whether its reduced gradients hold an inf or NaN (see
-        # [Note: which gradients exist] and ``ShardedUnit.grads_finite``).
-        flags = [torch.tensor(had, dtype=torch.uint8) for _, _, had in self._pending]
+        # parameters got a gradient, per unit whether its reduced gradients hold an inf or NaN (see
+        # [Note: which gradients exist] and ``ShardedUnit.grads_finite``), and, once, the hash of the recorded
+        # reduce order (see [Note: reduce order]). Its ``tolist()`` is the step's one read on the host.
+        had = [flag for reduced in pending for flag in reduced.had_grad]
         # A sum is inf or NaN if any element is (and, rarely, when finite values overflow: that only sends the
-        # check down its exact path); one cheap pass, no temporary of the gradient's size.
-        sums = torch.stack([shard_grad.sum(dtype=torch.float32).to(device) for _, shard_grad, _ in self._pending])
-        nonfinite = (~torch.isfinite(sums)).to(torch.uint8)
-        combined = torch.cat([torch.cat(flags).to(device), nonfinite])
+        # check down its exact path); summed on the device before any copy to the host.
+        nonfinite = (~torch.isfinite(torch.stack([r.total.to(device) for r in pending]))).to(torch.uint8)
+        proposal = None if self.order_agreed else self._proposed_order()
+        parts = [torch.tensor(had, dtype=torch.uint8).to(device, non_blocking=True), nonfinite]
+        if proposal is not None:
+            parts.append(torch.tensor(_order_hash(self.units, proposal), dtype=torch.uint8).to(device))
+        combined = torch.cat(parts)
         self.order[0].comm.all_reduce(combined, op=dist.ReduceOp.MAX)
-        used, nonfinite_anywhere = combined[: -len(self._pending)], combined[-len(self._pending) :].tolist()
-        params = [p for unit, _, _ in self._pending for p in unit.params]
+        copies = _event_after_host_copies(pending, device)
+        flags = combined.tolist()
+        if copies is not None:
+            copies.synchronize()  # see [Note: offload copies]
+        used, flags = flags[: len(had)], flags[len(had) :]
+        nonfinite_anywhere, order_hash = flags[: len(pending)], flags[len(pending) :]
+        if proposal is not None:
+            self._settle_order(proposal, order_hash)
+        params = [p for reduced in pending for p in reduced.unit.params]
         carry = {p: self.has_marker(p) for p in params}
         position = 0
-        for (unit, shard_grad, had_grad), bad in zip(self._pending, nonfinite_anywhere):
+        for reduced, bad in zip(pending, nonfinite_anywhere):
+            unit, shard_grad = reduced.unit, reduced.shard
             for param, shard_param in zip(unit.params, unit.shard_params):
                 if not carry[param]:  # zeroed by the user since the last reduction
                     shard_param.grad = None
@@ -339,10 +409,9 @@ class GradReducer:
             # Known exactly only when these gradients are not added to earlier ones (accumulation).
             unit.grads_finite = not bad if fresh else None
             for index, piece in enumerate(unit.param_shards):
-                used_somewhere = bool(used[position + index])
                 param = unit.params[index]
                 shard_param = unit.shard_params[index]
-                if used_somewhere and param.requires_grad:
+                if used[position + index] and param.requires_grad:
                     region = shard_grad[piece.shard_offset : piece.shard_offset + piece.numel]
                     if shard_param.grad is None:
                         shard_param.grad = region
@@ -350,4 +419,66 @@ class GradReducer:
                         shard_param.grad.add_(region)
                 if shard_param.grad is not None:
                     self.put_marker(param)
-            position += len(had_grad)
+            position += len(reduced.had_grad)
+
+    # ------------------------------------------------------------------ the recorded order (see [Note: reduce order])
+    def _proposed_order(self) -> list[ShardedUnit]:
+        """The units in the order they completed in this backward pass, then the rest in reverse registration."""
+        done = set(self._completed)
+        return self._completed + [u for u in reversed(self.units) if u not in done]
+
+    def _settle_order(self, proposal: list[ShardedUnit], hash_max: list[int]) -> None:
+        """Adopt ``proposal`` if every rank proposed the same (the all-reduced bytes and complements agree),
+        else keep the reverse registration order; either way on every rank alike, from now on."""
+        half = len(hash_max) // 2
+        same_everywhere = all(a == 255 - b for a, b in zip(hash_max[:half], hash_max[half:]))
+        if same_everywhere:
+            self.order = proposal
+        self.order_agreed = True
+        self._completed = []
+
+
+class _Reduced(NamedTuple):
+    """One unit's finished reduction, waiting for ``_attach_pending``."""
+
+    unit: ShardedUnit
+    shard: torch.Tensor  # this rank's shard of the averaged gradient (master dtype and device)
+    had_grad: list[bool]  # per parameter: whether this rank produced a gradient
+    total: torch.Tensor  # the shard's sum in fp32, on the compute device
+
+
+def _once(action: Callable[[], None]) -> Callable[..., None]:
+    """A node post-hook that runs ``action`` the first time only (a graph kept with ``retain_graph=True`` may run
+    the node again in a later backward pass)."""
+    done = False
+
+    def hook(*_: Any) -> None:
+        nonlocal done
+        if not done:
+            done = True
+            action()
+
+    return hook
+
+
+def _buffer_bytes(unit: ShardedUnit) -> int:
+    """Bytes of the full-size buffer a reduction of ``unit`` reads."""
+    return unit.layout.padded_numel * torch.empty((), dtype=unit.reduce_dtype).element_size()
+
+
+def _order_hash(units: list[ShardedUnit], order: list[ShardedUnit]) -> list[int]:
+    """Eight bytes of a hash of ``order`` (as positions in ``units``), then their complements (255 - b): after a
+    MAX over ranks, every byte equals 255 minus its complement's maximum exactly when all ranks sent the same."""
+    position = {id(u): i for i, u in enumerate(units)}
+    data = list(hashlib.blake2b(repr([position[id(u)] for u in order]).encode(), digest_size=8).digest())
+    return data + [255 - b for b in data]
+
+
+def _event_after_host_copies(pending: list[_Reduced], device: torch.device) -> Any:
+    """A CUDA event recorded behind the copies of sharded gradients to the host, or ``None`` when there are none
+    (see [Note: offload copies])."""
+    if device.type != "cuda" or all(r.shard.device == device for r in pending):
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -345,20 +345,24 @@ class ShardedModel:
             # Known on every rank alike from the reduction's own all-reduce: no collective needed.
             return [], []
         shard_params = [p for p in self.shard_params_of(optimizer) if p.grad is not None and p.numel()]
-        local: list[str] = []
+        device = self.units[0].device
+        flags = torch.zeros(self.comm.world_size, device=device)
+        peaks: list[torch.Tensor] = []
         if shard_params:
-            # One fused pass over all gradients (the largest magnitude of each is inf or NaN if any element is);
-            # names are looked up only when something is wrong.
+            # One fused pass over all gradients (the largest magnitude of each is inf or NaN if any element is),
+            # flagged on the device: the one read on the host is of the all-reduced flags.
             peaks = torch._foreach_norm([p.grad for p in shard_params], float("inf"))
-            if not bool(torch.isfinite(torch.stack(peaks)).all()):
-                for shard_param, peak in zip(shard_params, peaks):
-                    if not bool(torch.isfinite(peak)):
-                        param, _ = self._param_of[shard_param]
-                        local.append(_name_in(self._unit_of[shard_param], param))
-        flags = torch.zeros(self.comm.world_size, device=self.units[0].device)
-        flags[self.comm.rank] = float(bool(local))
+            bad = ~torch.isfinite(torch.stack(peaks)).all()
+            flags[self.comm.rank] = bad.to(device=device, dtype=flags.dtype)
         self.comm.all_reduce(flags)
-        return [r for r in range(self.comm.world_size) if flags[r] > 0], local
+        ranks = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
+        local: list[str] = []
+        if self.comm.rank in ranks:  # names are looked up only when something is wrong
+            for shard_param, peak in zip(shard_params, peaks):
+                if not bool(torch.isfinite(peak)):
+                    param, _ = self._param_of[shard_param]
+                    local.append(_name_in(self._unit_of[shard_param], param))
+        return ranks, local
 
     def drop_grads(self, optimizer: Optimizer) -> None:
         """Forget ``optimizer``'s sharded gradients, so that its next ``step()`` changes nothing."""

@@ -4,26 +4,46 @@
 - forward post-hook: if the outputs need gradients, hook them so that the unit is gathered again
   as soon as backward reaches it; then ``reshard()`` unless backward already holds it (an
   activation-checkpointing recomputation runs the forward inside backward);
-- after the unit's gradients are reduced (``GradReducer``), or when backward ends: ``reshard()``.
+- after the unit's gradients are reduced (``GradReducer``), or when backward ends: ``reshard()``
+  (a unit with frozen parameters: see [Note: frozen units]).
 
 The forward hooks run eagerly, outside ``torch.compile`` graphs (see [Note: torch.compile] in ``compiled.py``).
 
 [Note: prefetch]
-The order in which units run is recorded on the first training step, once for forward and once
-for backward. On later steps, when unit ``k`` of that order starts, the all-gathers of the next
-``prefetch`` units are issued asynchronously, so that they travel while unit ``k`` computes; the
-unit's own hook then only waits. At most ``prefetch + 1`` units (plus the held root unit) are
-gathered at once. A step that leaves the recorded order (control flow that changed) simply stops
-prefetching for the rest of that pass, and units prefetched but not used are freed when the
-backward pass or the step ends. ``reshard_after_forward=False`` keeps each unit gathered from its
-forward until its gradients are reduced: no second all-gather in backward (``2Ψ`` instead of
-``3Ψ`` communication) for the memory of all units at once.
+The order in which units run is recorded on the first training step, once for forward and once for
+backward, and on the first evaluation step (validation, test, predict, or a step under ``no_grad``)
+for the forward of evaluation, which may differ. On later steps, when unit ``k`` of that order
+starts, the all-gathers of the next ``prefetch`` units are issued asynchronously, so that they
+travel while unit ``k`` computes; the unit's own hook then only waits. At most ``prefetch + 1``
+units (plus the held root unit) are gathered at once in forward; in backward one more at most, a
+unit whose reduction or whose inputs' gradients (see [Note: frozen units]) are still to come, as
+long as units complete in the order of the first step (see [Note: reduce order] in ``grads.py``). A
+step that leaves the recorded order (control flow that changed) simply stops prefetching for the
+rest of that pass, and units prefetched but not used are freed when the backward pass or the step
+ends. ``reshard_after_forward=False`` keeps each unit gathered from its forward until its gradients
+are reduced: no second all-gather in backward (``2Ψ`` instead of ``3Ψ`` communication) for the
+memory of all units at once.
 
 The root unit (parameters the ``LightningModule`` owns directly, or weights tied across
 branches) is used outside any submodule's forward, in ``training_step`` itself: during a step
 ``ShardedModel.begin_step`` / ``end_step`` *hold* it (``hold`` / ``unhold``), and the hooks above
 leave a held unit gathered. Outside steps (a callback calling the model) it is gathered just in
 time like any other unit.
+
+[Note: frozen units]
+A unit whose parameters all require a gradient is done with in backward once they all have one: it
+is freed when the ``GradReducer`` issues its reduction. A frozen parameter gives no such signal, yet
+its value may still be needed: in a LoRA layer ``x @ W.T + x @ A.T @ B.T`` the node that computes the
+input's gradient through the frozen ``W`` runs *after* ``A`` and ``B`` have their gradients (autograd
+runs later-created nodes first). So a unit with a frozen parameter also waits for the gradients of its
+forward's inputs (the tensors among its positional and keyword arguments that require a gradient):
+each forward that runs with gradients registers a hook on them (``register_multi_grad_hook``, mode
+``"all"``), and the unit is freed once every such hook has fired and its trainable parameters, if any,
+have been reduced. Every node of the unit's forward that backward runs leads to one of those inputs or
+to one of those parameters, so none runs later. A hook that never fires (an output that did not reach
+the loss) only keeps the unit gathered until backward ends, as before. Values the forward reads from
+elsewhere (a tensor attribute that requires a gradient, a parameter of another unit) are not its
+inputs: such a unit should own them, or be a root; the default units fold tied weights into the root.
 
 [Note: folded modules]
 A module that owns parameters but is not a unit root is *folded* into the unit of an enclosing module
@@ -81,6 +101,11 @@ class Stage3Hooks:
         self._handles: list[Any] = []
         self.forward_order = _Order()
         self.backward_order = _Order()
+        self.eval_order = _Order()  # the forward of evaluation steps (see [Note: prefetch])
+        self._pass_order: _Order | None = None  # the forward order this step follows, if any
+        # See [Note: frozen units]: input-gradient hooks registered and not fired yet; units reduced.
+        self._open_inputs: dict[ShardedUnit, int] = {}
+        self._reduced: set[ShardedUnit] = set()
         self._training = False
         self._backward_started = False
         self._fold_checks: list[Any] = []
@@ -88,7 +113,8 @@ class Stage3Hooks:
     def install(self) -> None:
         for unit in self.units:
             module = unit.module
-            self._handles.append(module.register_forward_pre_hook(outside_graphs(self._pre_forward(unit))))
+            pre_forward = outside_graphs(self._pre_forward(unit))
+            self._handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(outside_graphs(self._post_forward(unit))))
         self._install_fold_checks()
 
@@ -133,10 +159,13 @@ class Stage3Hooks:
 
     # ------------------------------------------------------------------ prefetch
     def begin_forward(self, training: bool) -> None:
-        """A step starts: prefetch (or, on the first training step, record) in the forward order."""
+        """A step starts: prefetch (or, on the first such step, record) in the forward order of training or of
+        evaluation."""
         self._training = training
+        self._pass_order = self.forward_order if training else self.eval_order
         if training:
-            self._prefetch(self.forward_order.start())
+            self._open_inputs.clear()
+        self._prefetch(self._pass_order.start())
 
     def _prefetch(self, upcoming: list[ShardedUnit]) -> None:
         for unit in upcoming[: self.prefetch]:
@@ -144,10 +173,27 @@ class Stage3Hooks:
                 unit.unshard(async_op=True)
 
     def _pre_forward(self, unit: ShardedUnit):
-        def hook(_module: torch.nn.Module, _args: Any) -> None:
-            if self._training and torch.is_grad_enabled() and unit not in self.held:
-                self._prefetch(self.forward_order.reached(unit))
+        def hook(_module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+            order = self._pass_order
+            if order is not None and torch.is_grad_enabled() == self._training and unit not in self.held:
+                self._prefetch(order.reached(unit))
             unit.unshard()
+            if torch.is_grad_enabled() and not all(p.requires_grad for p in unit.params):
+                self._watch_inputs(unit, (args, kwargs))
+
+        return hook
+
+    def _watch_inputs(self, unit: ShardedUnit, inputs: Any) -> None:
+        """See [Note: frozen units]."""
+        tensors = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            self._open_inputs[unit] = self._open_inputs.get(unit, 0) + 1
+            register_multi_grad_hook(tensors, self._inputs_done(unit), mode="all")
+
+    def _inputs_done(self, unit: ShardedUnit):
+        def hook(_grads: Any) -> None:
+            self._open_inputs[unit] = self._open_inputs.get(unit, 1) - 1
+            self._free_if_done(unit)
 
         return hook
 
@@ -180,16 +226,25 @@ class Stage3Hooks:
         return hook
 
     def after_unit_reduced(self, unit: ShardedUnit) -> None:
-        """All trainable parameters have their gradient: free the unit now, unless a frozen
-        parameter's value may still be needed later in this backward."""
-        if unit in self.in_backward and all(p.requires_grad for p in unit.params):
-            self.in_backward.discard(unit)
-            if unit not in self.held:
-                unit.reshard()
+        """All trainable parameters have their gradient: free the unit now, unless its backward may still need
+        a frozen parameter's value (see [Note: frozen units])."""
+        self._reduced.add(unit)
+        self._free_if_done(unit)
+
+    def _free_if_done(self, unit: ShardedUnit) -> None:
+        if unit not in self.in_backward or self._open_inputs.get(unit, 0) > 0:
+            return
+        if any(p.requires_grad for p in unit.params) and unit not in self._reduced:
+            return
+        self.in_backward.discard(unit)
+        if unit not in self.held:
+            unit.reshard()
 
     def after_backward(self) -> None:
         self.backward_order.finish()
         self._backward_started = False
+        self._open_inputs.clear()
+        self._reduced.clear()
         for unit in self.in_backward - self.held:
             unit.reshard()
         self.in_backward.clear()
@@ -204,7 +259,9 @@ class Stage3Hooks:
     def end_step(self) -> None:
         if self._training and self._fold_checks:
             self._remove_fold_checks()  # the first training step has run them
-        self.forward_order.finish()
+        if self._pass_order is not None:
+            self._pass_order.finish()
+        self._pass_order = None
         self._training = False
         if not self.in_backward:
             self._free_unused()

@@ -56,6 +56,31 @@ parameters: ``param_groups`` and ``state`` keep the objects Lightning callbacks 
 Gradients are never kept here: ``reduce_grads`` packs the full gradients into a ``reduce_dtype``
 buffer, reduce-scatters it, and returns this rank's shard in the master dtype and device; the full
 gradients are dropped.
+
+[Note: offload copies]
+With ``offload_optimizer`` the sharded gradient moves to the host once per unit, from a backward
+hook, and the stepped master shard moves back once per unit after the step. Neither may block the
+host: a blocking device-to-host copy waits for every kernel queued before it (the rest of backward
+would stop being queued ahead), and a copy into pageable memory is staged and synchronous whatever
+``non_blocking`` says. So:
+
+- device to host (``to_master``): the shard is copied with ``non_blocking=True`` into a new
+  *pinned* host tensor, on the current stream, after the reduce-scatter it reads (the collective's
+  ``wait()`` has already ordered the current stream after it). The device-side source may be freed
+  at once: the caching allocator reuses its memory only for work queued later on the same stream.
+  The host tensor must not be read before the copy lands. The only host reads before the optimizer
+  step are in ``GradReducer._attach_pending`` (accumulation into an earlier sharded gradient); they
+  come after its one ``tolist()`` of the flags, which waits for the current stream up to there,
+  copies included, and after an event recorded behind the last copy is synchronised (a no-op by
+  then, but the ordering no longer depends on where ``tolist()`` happens to be). The finite check
+  sums each shard on the device before the copy, so it reads nothing on the host.
+- host to device (``gather_updated_shards``): the master is pinned when the unit is built, so
+  ``copy_(non_blocking=True)`` is a real asynchronous copy, queued on the current stream before the
+  all-gather that reads the compute shard; the optimizer step (on the host) has finished writing
+  the master by then, and the next step writes it only after the host has waited for this step's
+  flags, which come after these copies on the same stream.
+
+On a CPU build every copy is between host tensors and synchronous: the behaviour is the same.
 """
 
 from __future__ import annotations
@@ -453,7 +478,9 @@ class ShardedUnit:
 
 class ReducedGrads:
     """One unit's reduce-scatter, possibly in flight. ``wait()`` returns this rank's shard of the averaged
-    gradient, in the master dtype and on the master device, and hands the full-size buffer back for reuse."""
+    gradient, in the master dtype and on the master device, and hands the full-size buffer back for reuse;
+    ``total`` is then the shard's sum in fp32, on the compute device (read by no one on the host: see
+    [Note: offload copies])."""
 
     def __init__(
         self,
@@ -472,6 +499,7 @@ class ReducedGrads:
         self._pending = pending
         self._buffer: torch.Tensor | None = buffer
         self._give_back = give_back
+        self.total: torch.Tensor | None = None
         if pending is None:
             self._release_buffer()
 
@@ -492,10 +520,20 @@ class ReducedGrads:
         if self._divisor is not None:
             self._out.div_(self._divisor)
             self._divisor = None
-        unit = self.unit
-        if self._out.dtype != unit.master_dtype or unit.master_device != unit.device:
-            self._out = self._out.to(device=unit.master_device, dtype=unit.master_dtype)
+        if self.total is None:
+            self.total = self._out.sum(dtype=torch.float32)  # before any copy to the host
+        self._out = to_master(self._out, self.unit)
         return self._out
+
+
+def to_master(shard: torch.Tensor, unit: ShardedUnit) -> torch.Tensor:
+    """``shard`` in the unit's master dtype, on its master device (see [Note: offload copies])."""
+    shard = shard.to(dtype=unit.master_dtype)
+    if shard.device == unit.master_device:
+        return shard
+    host = torch.empty(shard.shape, dtype=shard.dtype, device=unit.master_device, pin_memory=shard.is_cuda)
+    host.copy_(shard, non_blocking=True)
+    return host
 
 
 class ShardedParameterWriteError(RuntimeError):
