@@ -5,7 +5,8 @@ initialization, one seed), the same per-rank batches for every system, ``zero_gr
 AdamW step, every system in the same processes, the order rotated per repeat. Systems:
 
 - ``ddp``: ``DistributedDataParallel`` (the reference);
-- ``zero3-defaults``: ``ShardedModel(stage=3)`` with the strategies' defaults (default units, ``checks="auto"``);
+- ``zero3-defaults``: ``ShardedModel(stage=3)`` with the strategies' defaults (default units, ``checks="auto"``
+  with the control channel and one step agreement per step, as the strategies run it);
 - ``zero3-per-layer``: one unit per module that owns parameters (``owns_parameters``, the old default).
 
 Usage::
@@ -48,6 +49,7 @@ def _loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
 
 def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, batch_size: int) -> list[float]:
     from lightning_zero.engine import Comm, ShardedModel, owns_parameters
+    from lightning_zero.engine.control import ControlChannel
     from tests.real_models import build
 
     torch.manual_seed(0)
@@ -57,7 +59,9 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
         wrapped: nn.Module = DistributedDataParallel(model)
     else:
         policy = None if system == "zero3-defaults" else owns_parameters
-        sharded = ShardedModel(model, stage=3, comm=Comm(checks="auto"), policy=policy)
+        # The strategies' checks: one agreement per step on the control channel (see engine/control.py).
+        comm = Comm(checks="auto", control=ControlChannel.create())
+        sharded = ShardedModel(model, stage=3, comm=comm, policy=policy)
         wrapped = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if sharded is not None:
@@ -69,6 +73,7 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         if sharded is not None:
+            sharded.comm.begin_sequence("training", [step], lambda: "a training step")
             with sharded.step_context():
                 _loss(name, wrapped, x, y).backward()
         else:
