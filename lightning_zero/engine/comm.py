@@ -253,7 +253,7 @@ class Comm:
         self.stats = CommStats()
         self.checks = checks
         self.control = control if not self._skip else None
-        self._names: dict[int, str] = {}
+        self._codes: dict[str, int] = {}  # a unit's name -> its code in agreement rows (computed once)
         # See [Note: gloo all-to-all].
         self.via_all_to_all = not self._skip and self.world_size > 1 and dist.get_backend(group) == "gloo"
         # A wait on NCCL orders streams and returns: only host-side waits need the stall report.
@@ -266,10 +266,6 @@ class Comm:
         self._on_track = False
         self._outstanding = 0
         self.broken = False  # a check failed while collectives were in flight: this group can no longer be used
-
-    def register_names(self, names: list[str]) -> None:
-        """Names a mismatch report may need to print for another rank (the same model on every rank)."""
-        self._names.update({code_of(n): n for n in names})
 
     # ------------------------------------------------------------------ sequences and agreements
     def begin_sequence(self, key: str, row: list[int] | None, describe: Callable[[], str]) -> None:
@@ -316,10 +312,6 @@ class Comm:
         if self.control is not None and self.checks != "off":
             self._agree([_EVENT_ROW, code_of(name), *numbers], describe, explain or _explain)
 
-    def check_next(self, kind: str, name: str, numel: int, device: torch.device | None = None) -> None:
-        """Agree, as for a guarded call, on a collective that another library is about to issue."""
-        self._before(kind, name, numel, guard=True)
-
     def _agree(self, row: list[int], describe: Callable[[], str], explain: Callable[[list[str]], str]) -> None:
         assert self.control is not None
         if self.broken:
@@ -334,38 +326,45 @@ class Comm:
         finally:
             self.stats.record("check", self.control.bytes_sent - before, time.perf_counter() - start)
 
-    def _describe(self, kind: str, name: str, numel: int, position: int | None) -> str:
-        where = f"collective {position + 1} of {self._step_text}" if position is not None else "outside a step"
-        return f"{kind} of {name!r} ({numel} elements, {where})"
+    def _describer(self, kind: str, name: str, numel: int, position: int | None) -> Callable[[], str]:
+        """What this collective is, for a report; formatted only if a report is made (not on the step path)."""
+        step = self._step_text
 
-    def _before(self, kind: str, name: str, numel: int, guard: bool) -> str:
+        def describe() -> str:
+            where = f"collective {position + 1} of {step}" if position is not None else "outside a step"
+            return f"{kind} of {name!r} ({numel} elements, {where})"
+
+        return describe
+
+    def _before(self, kind: str, name: str, numel: int, guard: bool) -> Callable[[], str]:
         """Track (and, where needed, agree on) the collective about to be issued; returns its description."""
         if self.broken:
             raise CollectiveMismatchError(_BROKEN)
-        code = code_of(name)
-        self._names.setdefault(code, name)
         if self.control is None or self.checks == "off":
-            return f"{kind} of {name!r} ({numel} elements)"
+            return self._describer(kind, name, numel, None)
+        code = self._codes.get(name)
+        if code is None:
+            code = self._codes[name] = code_of(name)
         if self._key is None:
-            describe = self._describe(kind, name, numel, None)
+            describe = self._describer(kind, name, numel, None)
             if guard or self.checks == "all":
-                self._agree([_OP_ROW, _KINDS.index(kind), code, numel], lambda: describe, _explain)
+                self._agree([_OP_ROW, _KINDS.index(kind), code, numel], describe, _explain)
             return describe
         entry = (_KINDS.index(kind), code, numel)
         position = len(self._sequence)
         self._sequence.append(entry)
-        describe = self._describe(kind, name, numel, position)
+        describe = self._describer(kind, name, numel, position)
         reference = self._references.get(self._key)
         if self._on_track and reference is not None and position < len(reference) and reference[position] == entry:
             return describe
         self._on_track = False
-        self._agree([_OP_ROW, *entry, position], lambda: describe, _explain)
+        self._agree([_OP_ROW, *entry, position], describe, _explain)
         return describe
 
-    def _wait(self, work: dist.Work, index: int, describe: str) -> None:
+    def _wait(self, work: dist.Work, index: int, describe: Callable[[], str]) -> None:
         try:
             if self.control is not None and self._waits_block_host:
-                self.control.wait(work, "main", index, lambda: describe)
+                self.control.wait(work, "main", index, describe)
             else:
                 work.wait()
         except (CollectiveMismatchError, PeerFailureError):
@@ -375,7 +374,7 @@ class Comm:
             self._outstanding -= 1
 
     def _timed(
-        self, kind: str, bytes_sent: int, describe: str, fn, *args, async_op: bool = False, **kwargs
+        self, kind: str, bytes_sent: int, describe: Callable[[], str], fn, *args, async_op: bool = False, **kwargs
     ) -> Pending | None:
         """Issue ``fn`` asynchronously and count it; wait for it now unless ``async_op``."""
         issued = None

@@ -112,7 +112,6 @@ class ShardedModel:
             for index in range(len(plans)):
                 build(index, None)
         self.units = [u for u in units if u is not None]
-        comm.register_names([u.name for u in self.units])
         self.root_unit = next((u for u in self.units if u.name == ROOT_NAME), None)
         self._shard_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}
         self._param_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}

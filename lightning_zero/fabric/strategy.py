@@ -251,7 +251,6 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             bucket_numel=bucket_numel(self.bucket_size_mb, module),
         )
         self._meta_init = None
-        self._sharded.comm.register_names([USER_REDUCE])
         shard_scaler(self.precision, self._sharded, self.root_device.type)
         self._steps = StepBracket(self._sharded)
         return ShardedForward(module, self._steps)

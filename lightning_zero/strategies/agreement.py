@@ -63,19 +63,25 @@ def _training_row(trainer: Any, module: Module, step: int, batch_idx: int) -> tu
     return [_PHASES.index("training"), epoch, step, trainable], describe
 
 
-def before_training_batch(comm: Comm, trainer: Any, module: Module, step: int) -> None:
+def before_training_batch(comm: Comm, trainer: Any, module: Module, step: int) -> Callable[[], str]:
     """Agree on the training step every rank is about to start, before the batch is fetched (see
-    ``wrap_batch_start``)."""
+    ``wrap_batch_start``); returns the step's description, for ``begin_training_step``."""
     row, describe = _training_row(trainer, module, step, _batch_in_epoch(trainer))
     comm.agree_step(row, describe)
+    return describe
 
 
-def begin_training_step(comm: Comm, trainer: Any, module: Module, accumulating: bool, step: int, agreed: bool) -> None:
+def begin_training_step(
+    comm: Comm, trainer: Any, module: Module, accumulating: bool, step: int, agreed: Callable[[], str] | None
+) -> None:
     """Start the sequence of training step ``step`` (counted since setup); agree on it first unless
-    ``before_training_batch`` already did."""
-    row, describe = _training_row(trainer, module, step, _batch_in_epoch(trainer) - 1)
+    ``before_training_batch`` already did (``agreed``: the description it returned)."""
     key = "training (accumulating)" if accumulating else "training"
-    comm.begin_sequence(key, None if agreed else row, describe)
+    if agreed is not None:
+        comm.begin_sequence(key, None, agreed)
+        return
+    row, describe = _training_row(trainer, module, step, _batch_in_epoch(trainer) - 1)
+    comm.begin_sequence(key, row, describe)
 
 
 def wrap_batch_start(trainer: Any, agree: Callable[[], None]) -> Callable[[], None] | None:

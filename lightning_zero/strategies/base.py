@@ -217,7 +217,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         self._failed = False
         self._control: ControlChannel | None = None
         self._steps: dict[str, int] = {}
-        self._agreed_step: int | None = None
+        self._agreed_step: tuple[int, Callable[[], str]] | None = None  # the step agreed at its batch's start
         self._unwrap_batch_start: Callable[[], None] | None = None
         self._stats_logged_until: CommStats | None = None
         self._meta_init: InitTrace | None = None
@@ -331,7 +331,6 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             bucket_numel=bucket_numel(self.bucket_size_mb, self.model),
         )
         self._meta_init = None
-        self._sharded.comm.register_names([LIGHTNING_REDUCE])
         self._stats_logged_until = None
         precision.attach(self._sharded)
         precision.nonfinite_grads = self.nonfinite_grads
@@ -424,7 +423,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         assert module is not None
         step = self._count_step("training")
         accumulating = self.sharded_model.reducer.no_sync_requested
-        agreed, self._agreed_step = self._agreed_step == step, None
+        agreed = self._agreed_step[1] if self._agreed_step is not None and self._agreed_step[0] == step else None
+        self._agreed_step = None
         agreement.begin_training_step(self.sharded_model.comm, module.trainer, module, accumulating, step, agreed)
         self.sharded_model.begin_step()
         try:
@@ -473,8 +473,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         step = self._steps.get("training", 0) + 1
-        agreement.before_training_batch(self.sharded_model.comm, module.trainer, module, step)
-        self._agreed_step = step
+        describe = agreement.before_training_batch(self.sharded_model.comm, module.trainer, module, step)
+        self._agreed_step = (step, describe)
 
     def _count_step(self, phase: str) -> int:
         self._steps[phase] = self._steps.get(phase, 0) + 1
