@@ -170,6 +170,25 @@ class ControlChannel:
         if self.store is None:
             work.wait()
             return
+        try:
+            self._wait_reporting(work, group, index, describe)
+        except (CollectiveMismatchError, PeerFailureError):
+            raise
+        except RuntimeError as err:  # the backend's own error, e.g. a peer that found the deadlock first and left
+            found = self._published_verdict()
+            if found is None:
+                raise
+            self.broken = True
+            raise found from err
+
+    def _published_verdict(self) -> BaseException | None:
+        """A mismatch or failure another rank has published, if the store still answers."""
+        try:
+            return self._verdict(self._read_all(), None)
+        except PeerFailureError:
+            return None
+
+    def _wait_reporting(self, work: dist.Work, group: str, index: int, describe: Callable[[], str]) -> None:
         limit = timedelta(seconds=self.poll_seconds)
         if _wait_for(work, limit):
             return
@@ -228,11 +247,7 @@ class ControlChannel:
         place): a rank that fails and exits shows up here as a closed connection."""
         verdict = self.verdict
         if verdict is None and self.store is not None and not isinstance(error, CollectiveMismatchError):
-            try:
-                states = self._read_all()
-            except PeerFailureError:
-                states = []
-            found = self._verdict(states, None) if states else None  # a failed rank, or a mismatch it published
+            found = self._published_verdict()  # a failed rank, or a mismatch it published
             verdict = str(found) if found is not None else None
         if verdict and verdict not in str(error):
             error.args = (f"{error}\nlightning_zero: {verdict}", *error.args[1:])
