@@ -9,13 +9,20 @@ AdamW step, every system in the same processes, the order rotated per repeat. Sy
   with the control channel and one step agreement per step, as the strategies run it);
 - ``zero3-per-layer``: one unit per module that owns parameters (``owns_parameters``, the old default).
 
+``--mode trainer`` trains the same models through a real ``lightning.Trainer`` instead (what users run):
+``ddp`` is Lightning's ``DDPStrategy()``, ``zero3-defaults`` is ``ZeRO3Strategy()`` with no arguments. A
+step is the whole loop iteration, from one ``on_train_batch_end`` to the next: the batch fetch, Lightning's
+per-batch work (for DDP, its SIGTERM broadcast; for ours, the step agreement that replaces it), forward,
+backward and the optimizer step.
+
 Usage::
 
     python -m benchmarks.real_models                      # 2 CPU ranks, 3 repeats of 12 timed steps
     python -m benchmarks.real_models --models gpt2,resnet --steps 6 --repeats 1
+    python -m benchmarks.real_models --mode trainer
 
-Prints one markdown row per model: each system's median step time (best repeat; a step counts as long as
-its slowest rank) and its ratio to DDP.
+Prints one markdown row per model: each system's median step time (best repeat; in engine mode a step counts
+as long as its slowest rank, in Trainer mode the slower rank's median counts) and its ratio to DDP.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 SYSTEMS = ("ddp", "zero3-defaults", "zero3-per-layer")
+TRAINER_SYSTEMS = ("ddp", "zero3-defaults")
 
 
 def _batch(name: str, step: int, rank: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,18 +98,86 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
     return times
 
 
+def _time_in_trainer(name: str, system: str, rank: int, steps: int, warmup: int, batch_size: int) -> list[float]:
+    """Loop iterations of a real ``Trainer`` (see the module's docstring), this rank's, after ``warmup``."""
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_zero import ZeRO3Strategy
+    from tests.real_models import build
+
+    class Batches(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return warmup + steps
+
+        def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return _batch(name, step, rank, batch_size)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = build(name)
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return _loss(name, self.model, *batch)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            return torch.utils.data.DataLoader(Batches(), batch_size=None)
+
+    times: list[float] = []
+
+    class Meter(L.Callback):
+        last = 0.0
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            now = time.perf_counter()
+            if trainer.global_step > warmup:
+                times.append(now - self.last)
+            self.last = now
+
+    strategy = DDPStrategy() if system == "ddp" else ZeRO3Strategy()
+    dist.barrier()
+    L.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=warmup + steps + 1,
+        callbacks=[Meter()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    ).fit(Module())
+    # Both ranks run in lockstep; the slower one's median counts.
+    median = torch.tensor(statistics.median(times))
+    dist.all_reduce(median, op=dist.ReduceOp.MAX)
+    return [float(median)]
+
+
 def _run(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
+    import logging
     import warnings
 
     warnings.filterwarnings("ignore")
+    for logger_name in ("lightning.pytorch", "lightning.fabric", "lightning_zero"):
+        logging.getLogger(logger_name).setLevel(logging.WARNING)
     torch.set_num_threads(1)
+    trainer = options["mode"] == "trainer"
+    systems = TRAINER_SYSTEMS if trainer else SYSTEMS
+    time_system = _time_in_trainer if trainer else _time_system
     medians: dict[str, dict[str, list[float]]] = {}
     for name in options["models"]:
-        medians[name] = {s: [] for s in SYSTEMS}
+        medians[name] = {s: [] for s in systems}
         for repeat in range(options["repeats"]):
-            order = SYSTEMS[repeat % len(SYSTEMS) :] + SYSTEMS[: repeat % len(SYSTEMS)]
+            order = systems[repeat % len(systems) :] + systems[: repeat % len(systems)]
             for system in order:
-                times = _time_system(name, system, rank, options["steps"], options["warmup"], options["batch_size"])
+                times = time_system(name, system, rank, options["steps"], options["warmup"], options["batch_size"])
                 medians[name][system].append(statistics.median(times))
     return medians
 
@@ -117,8 +193,11 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--mode", choices=("engine", "trainer"), default="engine")
     args = parser.parse_args(argv)
+    systems = TRAINER_SYSTEMS if args.mode == "trainer" else SYSTEMS
     options = {
+        "mode": args.mode,
         "models": args.models.split(","),
         "steps": args.steps,
         "warmup": args.warmup,
@@ -127,16 +206,16 @@ def main(argv: list[str] | None = None) -> str:
     }
     result = run_on_cpu_ranks(_run, args.world_size, timeout=3600, options=options)[0]
     lines = [
-        "| model | " + " | ".join(f"{s} (ms)" for s in SYSTEMS) + " | " + " | ".join(f"{s} / ddp" for s in SYSTEMS[1:]),
-        "|---" * (2 * len(SYSTEMS)) + "|",
+        "| model | " + " | ".join(f"{s} (ms)" for s in systems) + " | " + " | ".join(f"{s} / ddp" for s in systems[1:]),
+        "|---" * (2 * len(systems)) + "|",
     ]
     for name, per_system in result.items():
         best = {s: min(v) for s, v in per_system.items()}
         lines.append(
             f"| {name} | "
-            + " | ".join(f"{1000 * best[s]:.1f}" for s in SYSTEMS)
+            + " | ".join(f"{1000 * best[s]:.1f}" for s in systems)
             + " | "
-            + " | ".join(f"{best[s] / best['ddp']:.2f}" for s in SYSTEMS[1:])
+            + " | ".join(f"{best[s] / best['ddp']:.2f}" for s in systems[1:])
             + " |"
         )
     table = "\n".join(lines)

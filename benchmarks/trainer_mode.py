@@ -1,9 +1,11 @@
 """``--mode trainer``: the same model as a ``LightningModule``, timed through a real ``lightning.Trainer``.
 
-Each system is a Lightning strategy; a ``StepMeter`` callback times every training batch (from
-``on_train_batch_start`` to ``on_train_batch_end``, which spans forward, backward and the optimizer
-step) and reads losses, bytes sent and model state as the engine mode does. The Trainer runs in the
-benchmark's own processes (the process group is up, and the environment variables Lightning's
+Each system is a Lightning strategy; a ``StepMeter`` callback times every training batch as the whole
+loop iteration, from one ``on_train_batch_end`` to the next (the batch fetch, Lightning's per-batch work
+such as DDP's SIGTERM broadcast or the step agreement of ours that replaces it, forward, backward and
+the optimizer step; the first timed batch, with ``--warmup 0``, from its ``on_train_batch_start``), and
+reads losses, bytes sent and model state as the engine mode does. The Trainer runs in the benchmark's own
+processes (the process group is up, and the environment variables Lightning's
 ``LightningEnvironment`` reads are set), so it launches nothing and joins that group.
 
 Systems: ``ddp`` (``DDPStrategy``), ``zero1``/``zero2``/``zero3`` (ours, ``unit_modules=["Block"]``,
@@ -136,17 +138,23 @@ class StepMeter(Callback):
         release_free_memory()  # what setup freed (the full model a sharded strategy started from)
         self.result.peak_rss_reset = reset_peak_rss()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
-        if idx == self.warmup:
-            torch.distributed.barrier()
-            self._counts_before = self._counts(trainer)
+    def _start_timing(self, trainer: L.Trainer) -> None:
+        torch.distributed.barrier()
+        self._counts_before = self._counts(trainer)
         self._start = time.perf_counter()
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if idx == self.warmup == 0:
+            self._start_timing(trainer)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
-        elapsed = time.perf_counter() - self._start
+        now = time.perf_counter()
+        elapsed, self._start = now - self._start, now
         self.result.losses.append(float(outputs["loss"]))
+        if idx == self.warmup - 1:  # the next iteration is timed from here
+            self._start_timing(trainer)
         if idx >= self.warmup:
             self.result.step_times.append(elapsed)
         if idx == self.warmup + self.steps - 1:

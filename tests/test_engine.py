@@ -206,11 +206,12 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     gathers = (2 if stage == 3 else 1) * len(units)
     assert stats.calls("all_gather") == gathers, stage
     assert stats.calls("reduce_scatter") == len(units), stage
-    assert stats.calls("all_reduce") == 1  # which parameters got a gradient (tiny)
+    assert stats.calls("all_reduce") == 1  # the first backward settles the reduce order (tiny)
     ring = (world_size - 1) / world_size
-    assert stats.by_kind["reduce_scatter"].bytes_sent == padded * 4 * ring
+    slots = world_size * len(units)  # one unused-parameter slot per rank's chunk (see grads.py)
+    assert stats.by_kind["reduce_scatter"].bytes_sent == (padded + slots) * 4 * ring
     assert stats.by_kind["all_gather"].bytes_sent == (2 if stage == 3 else 1) * padded * 4 * ring
-    sent = stats.by_kind["reduce_scatter"].bytes_sent + stats.by_kind["all_gather"].bytes_sent
+    sent = stats.by_kind["reduce_scatter"].bytes_sent - slots * 4 * ring + stats.by_kind["all_gather"].bytes_sent
     theory = theory_comm_bytes(stage, numel, world_size)
     assert theory <= sent <= theory * padded / numel
 
@@ -219,7 +220,7 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     shard_numel = sum(u.layout.shard_numel for u in units)
     assert mem["params"] == (padded if stage < 3 else shard_numel) * 4
     assert mem["gathered_params"] == 0
-    assert mem["grads"] == shard_numel * 4
+    assert mem["grads"] == (shard_numel + len(units)) * 4  # each shard is a view of its reduction's output (+1 slot)
     assert mem["optimizer_states"] == 2 * 4 * sum(p.numel() for p in sharded.shard_params_of(opt))
     expected = theory_bytes(stage, numel, world_size)
     assert expected.params <= mem["params"] <= expected.params + 4 * world_size * len(units)
@@ -233,6 +234,13 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     # Every stage reduces the last unit's gradients, and frees them, while backward is still running
     # (asynchronously: the reduce-scatter overlaps the rest of backward).
     assert not any(g is not None for g in during_backward["last_grads"]), stage
+    # From the second step on, which parameters got a gradient rides in the reductions (see grads.py): no
+    # all-reduce of its own.
+    opt.zero_grad()
+    stats.reset()
+    with sharded.step_context():
+        model(x).square().mean().backward()
+    assert stats.calls("all_reduce") == 0, stage
     # Under no_sync (gradient accumulation) stage 1 keeps full gradients; stages 2 and 3 still reduce.
     with sharded.no_sync(), sharded.step_context():
         model(x).square().mean().backward()

@@ -9,6 +9,8 @@ off it, or a rank that failed) get a pair each, which exits without a final barr
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -40,10 +42,11 @@ def _outcome(trainer: L.Trainer, model: L.LightningModule) -> dict[str, Any]:
     try:
         trainer.fit(model)
         error: BaseException | None = None
-    except Exception as caught:  # what each rank sees
+    except (Exception, SystemExit) as caught:  # what each rank sees (Lightning's SIGTERMException is a SystemExit)
         error = caught
     return {
         "seconds": time.monotonic() - started,
+        "global_step": trainer.global_step,
         "type": None if error is None else type(error).__name__,
         "message": "" if error is None else str(error),
     }
@@ -121,6 +124,14 @@ class DirectReduceOnRank0(L.Callback):
             torch.distributed.all_reduce(torch.ones(3))
 
 
+class SigtermOnRank1(L.Callback):
+    """Rank 1 receives a real SIGTERM (handled by the handlers Lightning registered) after step 2."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _frozen_on_rank1(whole_layer: bool) -> ParityNet:
     model = ParityNet(optimizer="sgd")
     if torch.distributed.get_rank() == 1:
@@ -154,6 +165,9 @@ def _agreements(rank: int, world_size: int, directory: str) -> dict[str, Any]:
             ):
                 trainer = quiet_trainer(strategy=_strategy(stage), devices=world_size, max_steps=3)
                 results[f"{stage}: {name}"] = _outcome(trainer, model)
+    # Lightning stops every rank when one receives SIGTERM; the flag travels in the step agreement.
+    trainer = quiet_trainer(strategy=_strategy("zero3"), devices=world_size, max_steps=6, callbacks=[SigtermOnRank1()])
+    results["zero3: SIGTERM on rank 1"] = _outcome(trainer, ParityNet(optimizer="sgd"))
     return results
 
 
@@ -166,6 +180,9 @@ def test_ranks_that_disagree_on_steps_saves_or_trainable_sets_fail_fast_or_train
             assert outcome["seconds"] < LIMIT, (case, rank, outcome)
         if "more calls" in case or "no_grad" in case:
             assert all(o["type"] is None for o in outcomes), (case, outcomes)
+            continue
+        if "SIGTERM" in case:  # as under DDP: every rank raises SIGTERMException before step 3's batch
+            assert all(o["type"] == "SIGTERMException" and o["global_step"] == 2 for o in outcomes), outcomes
             continue
         for rank, outcome in enumerate(outcomes):
             assert outcome["type"] == "CollectiveMismatchError", (case, rank, outcome)

@@ -257,7 +257,8 @@ def _accounting(rank: int, world_size: int) -> None:
         kept = accounting.units[-1][0] if stage == 3 else 0  # net.2 ends this model's forward
         assert stats["reduce_scatter"]["calls"] == len(accounting.units)
         assert stats["all_gather"]["calls"] == len(accounting.units) * (2 if stage == 3 else 1) - (stage == 3)
-        sent = stats["reduce_scatter"]["bytes_sent"] + stats["all_gather"]["bytes_sent"]
+        slots = world_size * len(accounting.units)  # one unused-parameter slot per rank's chunk (see grads.py)
+        sent = stats["reduce_scatter"]["bytes_sent"] - slots * 4 * ring + stats["all_gather"]["bytes_sent"]
         assert sent == ((3 if stage == 3 else 2) * padded - kept) * 4 * ring
         assert (stage == 3 or sent >= theory_comm_bytes(stage, numel, world_size)) and sent <= theory_comm_bytes(
             stage, numel, world_size
@@ -265,7 +266,7 @@ def _accounting(rank: int, world_size: int) -> None:
         # Persistent model state per rank: theory up to shard padding, from the storage sizes.
         expected = theory_bytes(stage, numel, world_size)
         assert memory["params"] == (shard if stage == 3 else padded) * 4
-        assert memory["grads"] == shard * 4 and memory["optimizer_states"] <= shard * 8
+        assert memory["grads"] == (shard + len(accounting.units)) * 4 and memory["optimizer_states"] <= shard * 8
         assert expected.params <= memory["params"] <= expected.params + 4 * (padded - numel)
         assert expected.optimizer_states - 8 * (padded - numel) <= memory["optimizer_states"]
 

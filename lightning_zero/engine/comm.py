@@ -284,11 +284,14 @@ class Comm:
         self._sequence = []
         self._on_track = self.checks == "auto" and key in self._references
 
-    def agree_step(self, row: list[int], describe: Callable[[], str]) -> None:
-        """Agree that every rank is about to start the step ``row`` describes (ends the current sequence)."""
+    def agree_step(self, row: list[int], describe: Callable[[], str], shared: int = 0) -> list[int] | None:
+        """Agree that every rank is about to start the step ``row`` describes (ends the current sequence).
+        Returns every rank's ``shared`` (carried along, not compared; see ``ControlChannel.agree``), or ``None``
+        when checks are off and nothing was exchanged."""
         self.end_sequence()
         if self.control is not None and self.checks != "off":
-            self._agree([_STEP_ROW, *row], lambda: f"start {describe()}", _explain)
+            return self._agree([_STEP_ROW, *row], lambda: f"start {describe()}", _explain, shared)
+        return None
 
     def end_sequence(self) -> None:
         """The step is over (the next one, or something outside steps, follows): its collectives become the
@@ -312,14 +315,16 @@ class Comm:
         if self.control is not None and self.checks != "off":
             self._agree([_EVENT_ROW, code_of(name), *numbers], describe, explain or _explain)
 
-    def _agree(self, row: list[int], describe: Callable[[], str], explain: Callable[[list[str]], str]) -> None:
+    def _agree(
+        self, row: list[int], describe: Callable[[], str], explain: Callable[[list[str]], str], shared: int = 0
+    ) -> list[int]:
         assert self.control is not None
         if self.broken:
             raise CollectiveMismatchError(_BROKEN)
         before = self.control.bytes_sent
         start = time.perf_counter()
         try:
-            self.control.agree(row, describe, explain)
+            return self.control.agree(row, describe, explain, shared)
         except (CollectiveMismatchError, PeerFailureError):
             self.broken = self.broken or self._outstanding > 0 or self.control.broken
             raise

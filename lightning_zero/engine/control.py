@@ -139,20 +139,25 @@ class ControlChannel:
         row: Sequence[int],
         describe: Callable[[], str],
         explain: Callable[[list[str]], str] | None = None,
-    ) -> None:
+        shared: int = 0,
+    ) -> list[int]:
         """Check that every rank passes the same ``row`` (at most eight integers); otherwise raise
-        ``CollectiveMismatchError`` on every rank with each rank's ``describe()`` and ``explain``'s advice."""
-        mine = torch.zeros(ROW, dtype=torch.int64)
+        ``CollectiveMismatchError`` on every rank with each rank's ``describe()`` and ``explain``'s advice.
+        ``shared`` travels along without being compared: every rank's value is returned (e.g. a flag that rank
+        0 announces to the others, so that it needs no exchange of its own)."""
+        mine = torch.zeros(ROW + 1, dtype=torch.int64)
         mine[: len(row)] = torch.tensor([int(v) & 0x7FFFFFFFFFFFFFFF for v in row], dtype=torch.int64)
-        everyone = torch.empty(ROW * self.world_size, dtype=torch.int64)
+        mine[ROW] = int(shared)
+        everyone = torch.empty((ROW + 1) * self.world_size, dtype=torch.int64)
         index = self.issued["side"]
         self.issued["side"] += 1
         self.bytes_sent += everyone.numel() * 8 * (self.world_size - 1) // self.world_size
         work = _all_gather_single(everyone, mine, group=self.group, async_op=True)
         self.wait(work, "side", index, lambda: f"waiting for the other ranks to agree on: {describe()}")
-        rows = everyone.view(self.world_size, ROW)
+        table = everyone.view(self.world_size, ROW + 1)
+        rows = table[:, :ROW]
         if bool((rows == rows[0]).all()):
-            return
+            return table[:, ROW].tolist()
         texts: list[Any] = [None] * self.world_size
         self.issued["side"] += 1
         dist.all_gather_object(texts, describe(), group=self.group)

@@ -9,8 +9,8 @@ rank knows in advance, as DDP rebuilds its buckets after the first iteration:
   (the usual order of backward), and each rank records the order in which its units *completed*
   (all of their trainable parameters have their gradient); units that never completed follow, in
   reverse registration order;
-- when that backward pass ends, a hash of the recorded order travels in the one all-reduce that
-  backward already issues (see [Note: which gradients exist]): if every rank recorded the same
+- when that backward pass ends, a hash of the recorded order travels in the all-reduce that the first
+  backward pass issues (see [Note: which gradients exist]): if every rank recorded the same
   order, it becomes the reduce order from the next backward on; if not (control flow that differs
   between ranks), every rank keeps the reverse registration order. Either way all ranks agree,
   without a collective per unit.
@@ -47,10 +47,18 @@ only: when the pass ends none is kept, so nothing full-size outlives the collect
 it (the memory between steps is the sharded state alone).
 
 [Note: which gradients exist]
-DDP leaves ``grad`` as ``None`` for a parameter that no rank used. To match it, each rank
-records which parameters produced a gradient, one all-reduce combines the records when backward
-ends, and only parameters some rank used receive a sharded gradient. A sharded gradient is a view
-of the reduce-scatter output, kept as the ``.grad`` of the parameter's ``shard_param``; later
+DDP leaves ``grad`` as ``None`` for a parameter that no rank used. To match it, only parameters
+some rank used receive a sharded gradient, and every rank must know which those are without a
+collective of its own on every step (on a small model, that exchange's latency is a fifth of the
+step). The reduce-scatter carries the answer in the common case: each rank's chunk of the buffer
+ends with one slot, which every rank sets to 1 if it left a parameter that requires a gradient
+without one, so after the reduction the slot is positive, on every rank alike, exactly when some
+rank did (a sum of non-negative numbers is positive iff one of them is, in any dtype and order).
+When no slot is positive, every parameter that requires a gradient was used everywhere. When one
+is (parameters unused on some rank), on the first backward pass (which settles the reduce order)
+and when someone reads ``ShardedUnit.grads_finite`` (``check_finite``), one all-reduce of the
+per-parameter records follows. Either way the host reads the flags once. A sharded gradient is a
+view of the reduce-scatter output, kept as the ``.grad`` of the parameter's ``shard_param``; later
 micro-batches add into it.
 
 [Note: gradient markers]
@@ -173,6 +181,9 @@ class GradReducer:
         self.after_backward = after_backward
         sizes = sorted((_buffer_bytes(u) for u in units), reverse=True)
         self.max_in_flight_bytes = max_in_flight_bytes if max_in_flight_bytes is not None else sum(sizes[:2])
+        # Whether each backward pass finds out, on every rank alike, if any rank's reduced gradients hold an inf
+        # or NaN (``ShardedUnit.grads_finite``): set by those who read it (a ``nonfinite_grads`` policy).
+        self.check_finite = False
         self.sync_enabled = True
         self.no_sync_requested = False  # inside ``no_sync`` (whether or not this stage still reduces)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -308,7 +319,7 @@ class GradReducer:
         size = _buffer_bytes(unit)
         while self._in_flight and self._in_flight_bytes() + size > self.max_in_flight_bytes:
             self._complete_oldest()
-        buffer = self._take_buffer((unit.layout.padded_numel, unit.reduce_dtype, unit.device), size)
+        buffer = self._take_buffer((unit.reduce_numel, unit.reduce_dtype, unit.device), size)
         self._in_flight.append(unit.reduce_grads(async_op=True, buffer=buffer, give_back=self._give_back))
         self._next += 1
         if self.after_unit_reduced is not None:
@@ -340,7 +351,7 @@ class GradReducer:
         reduced = self._in_flight.popleft()
         shard = reduced.wait()
         assert reduced.total is not None
-        self._pending.append(_Reduced(reduced.unit, shard, reduced.had_grad, reduced.total))
+        self._pending.append(_Reduced(reduced.unit, shard, reduced.had_grad, reduced.total, reduced.unused_anywhere))
 
     def drop_buffers(self) -> None:
         """Free the reusable gradient buffers (each backward pass drops them when it ends)."""
@@ -374,40 +385,60 @@ class GradReducer:
             return
         pending = self._pending
         device = self.order[0].device
+        proposal = None if self.order_agreed else self._proposed_order()
+        had = [flag for reduced in pending for flag in reduced.had_grad]
+        if proposal is None and not self.check_finite:
+            # The common case: the reductions' own slots say whether any rank left a parameter unused (see
+            # [Note: which gradients exist]); their ``tolist()`` is the step's one read on the host.
+            slots = torch.cat([r.unused_anywhere for r in pending]).tolist()
+            if not any(slot > 0 for slot in slots):
+                self._synchronize_copies(pending, device)
+                self._attach(pending, [True] * len(had), None)
+                return
         # One small all-reduce (MAX: "on any rank", which cannot overflow at any world size) carries which
         # parameters got a gradient, per unit whether its reduced gradients hold an inf or NaN (see
-        # [Note: which gradients exist] and ``ShardedUnit.grads_finite``), and, once, the hash of the recorded
-        # reduce order (see [Note: reduce order]). Its ``tolist()`` is the step's one read on the host.
-        had = [flag for reduced in pending for flag in reduced.had_grad]
-        # A sum is inf or NaN if any element is (and, rarely, when finite values overflow: that only sends the
-        # check down its exact path); summed on the device before any copy to the host.
-        nonfinite = (~torch.isfinite(torch.stack([r.total.to(device) for r in pending]))).to(torch.uint8)
-        proposal = None if self.order_agreed else self._proposed_order()
-        parts = [torch.tensor(had, dtype=torch.uint8).to(device, non_blocking=True), nonfinite]
+        # ``ShardedUnit.grads_finite``; only when ``check_finite``), and, once, the hash of the recorded reduce
+        # order (see [Note: reduce order]). Its ``tolist()`` is the step's one read on the host.
+        parts = [torch.tensor(had, dtype=torch.uint8).to(device, non_blocking=True)]
+        if self.check_finite:
+            # A sum is inf or NaN if any element is (and, rarely, when finite values overflow: that only sends
+            # the check down its exact path); summed on the device before any copy to the host.
+            parts.append((~torch.isfinite(torch.stack([r.total.to(device) for r in pending]))).to(torch.uint8))
         if proposal is not None:
             parts.append(torch.tensor(_order_hash(self.units, proposal), dtype=torch.uint8).to(device))
         combined = torch.cat(parts)
         self.order[0].comm.all_reduce(combined, op=dist.ReduceOp.MAX)
-        copies = _event_after_host_copies(pending, device)
         flags = combined.tolist()
+        self._synchronize_copies(pending, device)
+        used, flags = flags[: len(had)], flags[len(had) :]
+        nonfinite_anywhere = None
+        if self.check_finite:
+            nonfinite_anywhere, flags = flags[: len(pending)], flags[len(pending) :]
+        if proposal is not None:
+            self._settle_order(proposal, flags)
+        self._attach(pending, used, nonfinite_anywhere)
+
+    @staticmethod
+    def _synchronize_copies(pending: list[_Reduced], device: torch.device) -> None:
+        copies = _event_after_host_copies(pending, device)
         if copies is not None:
             copies.synchronize()  # see [Note: offload copies]
-        used, flags = flags[: len(had)], flags[len(had) :]
-        nonfinite_anywhere, order_hash = flags[: len(pending)], flags[len(pending) :]
-        if proposal is not None:
-            self._settle_order(proposal, order_hash)
+
+    def _attach(self, pending: list[_Reduced], used: list[Any], nonfinite_anywhere: list[Any] | None) -> None:
+        """Hand each reduced shard to the ``shard_params`` whose parameter some rank used (``used``, one entry
+        per parameter of ``pending``'s units, in order); record ``grads_finite`` where it is known."""
         params = [p for reduced in pending for p in reduced.unit.params]
         carry = {p: self.has_marker(p) for p in params}
         position = 0
-        for reduced, bad in zip(pending, nonfinite_anywhere):
+        for number, reduced in enumerate(pending):
             unit, shard_grad = reduced.unit, reduced.shard
             for param, shard_param in zip(unit.params, unit.shard_params):
                 if not carry[param]:  # zeroed by the user since the last reduction
                     shard_param.grad = None
                 self._carry.discard(param)
             fresh = all(sp.grad is None for sp, p in zip(unit.shard_params, unit.params) if p.requires_grad)
-            # Known exactly only when these gradients are not added to earlier ones (accumulation).
-            unit.grads_finite = not bad if fresh else None
+            # Known exactly only when checked and these gradients are not added to earlier ones (accumulation).
+            unit.grads_finite = not nonfinite_anywhere[number] if fresh and nonfinite_anywhere is not None else None
             for index, piece in enumerate(unit.param_shards):
                 param = unit.params[index]
                 shard_param = unit.shard_params[index]
@@ -445,6 +476,7 @@ class _Reduced(NamedTuple):
     shard: torch.Tensor  # this rank's shard of the averaged gradient (master dtype and device)
     had_grad: list[bool]  # per parameter: whether this rank produced a gradient
     total: torch.Tensor  # the shard's sum in fp32, on the compute device
+    unused_anywhere: torch.Tensor  # the reduced unused-parameter slot: positive if some rank left one unused
 
 
 def _once(action: Callable[[], None]) -> Callable[..., None]:
@@ -463,7 +495,7 @@ def _once(action: Callable[[], None]) -> Callable[..., None]:
 
 def _buffer_bytes(unit: ShardedUnit) -> int:
     """Bytes of the full-size buffer a reduction of ``unit`` reads."""
-    return unit.layout.padded_numel * torch.empty((), dtype=unit.reduce_dtype).element_size()
+    return unit.reduce_numel * torch.empty((), dtype=unit.reduce_dtype).element_size()
 
 
 def _order_hash(units: list[ShardedUnit], order: list[ShardedUnit]) -> list[int]:

@@ -426,6 +426,12 @@ class ShardedUnit:
         self.record_hidden_versions()
 
     # ------------------------------------------------------------------ gradients
+    @property
+    def reduce_numel(self) -> int:
+        """Elements of the buffer a reduction reads: each rank's chunk is its shard of the gradients and one
+        slot for the unused-parameter flag (see [Note: which gradients exist] in ``grads.py``)."""
+        return self.layout.world_size * (self.layout.shard_numel + 1)
+
     def reduce_grads(
         self,
         async_op: bool = False,
@@ -433,32 +439,45 @@ class ShardedUnit:
         give_back: Callable[[torch.Tensor], None] | None = None,
     ) -> ReducedGrads:
         """Reduce-scatter the mean of the full gradients in ``reduce_dtype`` (see ``ReducedGrads``); the
-        full gradients are dropped. ``buffer`` (``padded_numel`` elements of ``reduce_dtype``, any content)
+        full gradients are dropped. ``buffer`` (``reduce_numel`` elements of ``reduce_dtype``, any content)
         is used instead of a new one and handed to ``give_back`` once the collective is done. With
-        ``async_op`` the reduction is in flight on return: ``ReducedGrads.wait()`` before reading it."""
+        ``async_op`` the reduction is in flight on return: ``ReducedGrads.wait()`` before reading it.
+
+        Rank ``r``'s chunk of the buffer is the range ``r`` of the flat layout followed by one slot, which
+        every rank sets to 1 if it did not produce a gradient for a parameter that requires one (else 0):
+        after the reduction each rank's slot is positive exactly when some rank left a parameter unused."""
+        width = self.layout.shard_numel + 1
         flat_grad = (
             buffer
             if buffer is not None
-            else torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
+            else torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=self.device)
         )
+        chunks = flat_grad.view(self.layout.world_size, width)
         had_grad = []
+        unused_here = False
         for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
             had_grad.append(param.grad is not None)
-            region = flat_grad[offset : offset + numel]
             if param.grad is not None:
-                region.copy_(param.grad.reshape(-1))
+                source = param.grad.reshape(-1)
+                for start, region in _chunk_regions(chunks, offset, numel):
+                    region.copy_(source[start : start + region.numel()].view(region.shape))
                 param.grad = None
             else:
-                region.zero_()
-        flat_grad[self.layout.numel :].zero_()  # the padding
+                unused_here = unused_here or param.requires_grad
+                for _, region in _chunk_regions(chunks, offset, numel):
+                    region.zero_()
+        for _, region in _chunk_regions(chunks, self.layout.numel, self.layout.padded_numel - self.layout.numel):
+            region.zero_()  # the padding
+        chunks[:, -1].fill_(1.0 if unused_here else 0.0)
         # The mean over ranks. Dividing the shard after summing costs 1/N of dividing the full buffer before,
         # and gives DDP's bits whenever N is a power of two (scaling by 2^-k commutes with rounding). In a
-        # half-precision reduction, dividing first keeps the sum from overflowing, as DDP does.
+        # half-precision reduction, dividing first keeps the sum from overflowing, as DDP does. (A positive
+        # slot stays positive either way.)
         world = self.comm.world_size
         divide_first = world > 1 and (self.reduce_dtype in _HALF_DTYPES or world & (world - 1) != 0)
         if divide_first:
             flat_grad.div_(world)
-        out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        out = torch.empty(width, dtype=self.reduce_dtype, device=self.device)
         pending = self.comm.reduce_scatter(out, flat_grad, name=self.name, async_op=async_op)
         divisor = world if world > 1 and not divide_first else None
         return ReducedGrads(self, out, had_grad, pending, flat_grad, give_back, divisor)
@@ -500,6 +519,8 @@ class ReducedGrads:
         self._buffer: torch.Tensor | None = buffer
         self._give_back = give_back
         self.total: torch.Tensor | None = None
+        # The reduced unused-parameter slot (see ``ShardedUnit.reduce_grads``), on the compute device.
+        self.unused_anywhere = out[-1:]
         if pending is None:
             self._release_buffer()
 
@@ -517,12 +538,12 @@ class ReducedGrads:
             self._pending.wait()
             self._pending = None
             self._release_buffer()
-        if self._divisor is not None:
-            self._out.div_(self._divisor)
-            self._divisor = None
         if self.total is None:
-            self.total = self._out.sum(dtype=torch.float32)  # before any copy to the host
-        self._out = to_master(self._out, self.unit)
+            shard = self._out[:-1]
+            if self._divisor is not None:
+                shard.div_(self._divisor)
+            self.total = shard.sum(dtype=torch.float32)  # before any copy to the host
+            self._out = to_master(shard, self.unit)
         return self._out
 
 
@@ -534,6 +555,29 @@ def to_master(shard: torch.Tensor, unit: ShardedUnit) -> torch.Tensor:
     host = torch.empty(shard.shape, dtype=shard.dtype, device=unit.master_device, pin_memory=shard.is_cuda)
     host.copy_(shard, non_blocking=True)
     return host
+
+
+def _chunk_regions(chunks: torch.Tensor, offset: int, numel: int) -> list[tuple[int, torch.Tensor]]:
+    """The places of the flat range ``[offset, offset + numel)`` in ``chunks`` (one row per rank: its range of
+    the flat layout, then a slot): ``(start in the range, view of chunks)`` pairs, at most three whatever the
+    world size (a partial first row, the full rows between as one 2-D view, a partial last row)."""
+    width = chunks.shape[1] - 1
+    regions: list[tuple[int, torch.Tensor]] = []
+    position, end = offset, offset + numel
+    row, column = divmod(position, width)
+    if column and position < end:
+        count = min(width - column, end - position)
+        regions.append((position - offset, chunks[row, column : column + count]))
+        position += count
+        row += 1
+    full_rows = (end - position) // width
+    if full_rows:
+        regions.append((position - offset, chunks[row : row + full_rows, :width]))
+        position += full_rows * width
+        row += full_rows
+    if position < end:
+        regions.append((position - offset, chunks[row, : end - position]))
+    return regions
 
 
 class ShardedParameterWriteError(RuntimeError):

@@ -252,6 +252,10 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         )
         self._meta_init = None
         shard_scaler(self.precision, self._sharded, self.root_device.type)
+        # The nonfinite policy reads every step whether any rank's gradients hold inf/NaN: the backward pass's
+        # flags answer it without a collective of its own (see ``GradReducer.check_finite``).
+        has_scaler = getattr(self.precision, "scaler", None) is not None
+        self._sharded.reducer.check_finite = not has_scaler and self.nonfinite_grads != "ignore"
         self._steps = StepBracket(self._sharded)
         return ShardedForward(module, self._steps)
 

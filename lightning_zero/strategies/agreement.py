@@ -9,17 +9,22 @@
 
 from __future__ import annotations
 
+import logging
+import signal
 import zlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.engine import Comm
 from lightning_zero.engine.control import ControlChannel
+
+log = logging.getLogger(__name__)
 
 _PHASES = ("training", "validation", "sanity check", "test", "predict", "step")
 
@@ -63,12 +68,15 @@ def _training_row(trainer: Any, module: Module, step: int, batch_idx: int) -> tu
     return [_PHASES.index("training"), epoch, step, trainable], describe
 
 
-def before_training_batch(comm: Comm, trainer: Any, module: Module, step: int) -> Callable[[], str]:
+def before_training_batch(
+    comm: Comm, trainer: Any, module: Module, step: int, sigterm: bool = False
+) -> tuple[Callable[[], str], bool | None]:
     """Agree on the training step every rank is about to start, before the batch is fetched (see
-    ``wrap_batch_start``); returns the step's description, for ``begin_training_step``."""
+    ``wrap_batch_start``); returns the step's description, for ``begin_training_step``, and whether any rank
+    has ``sigterm`` set (carried in the agreement; ``None`` if checks are off and nothing was exchanged)."""
     row, describe = _training_row(trainer, module, step, _batch_in_epoch(trainer))
-    comm.agree_step(row, describe)
-    return describe
+    shared = comm.agree_step(row, describe, shared=int(sigterm))
+    return describe, None if shared is None else any(shared)
 
 
 def begin_training_step(
@@ -84,27 +92,86 @@ def begin_training_step(
     comm.begin_sequence(key, row, describe)
 
 
-def wrap_batch_start(trainer: Any, agree: Callable[[], None]) -> Callable[[], None] | None:
-    """Run ``agree`` where Lightning's training loop starts a batch, before anything else it does there.
+class SigtermRelay:
+    """Lightning's SIGTERM notifier, without its broadcast: the signal is only recorded here (``pending``), and
+    travels to the other ranks in the next step agreement (see [Note: the start of a training batch]).
+
+    Example::
+
+        relay = SigtermRelay(trainer)
+        relay.install()        # after Lightning registered its handlers (at the first batch)
+        relay.pending          # True once this process received SIGTERM
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.pending = False
+        self.installed = False
+
+    def install(self) -> None:
+        """Put ``notify`` in place of Lightning's notifier in the SIGTERM handler Lightning registered (if any)."""
+        self.installed = True
+        connector = getattr(self.trainer, "_signal_connector", None)
+        lightning_notifier = getattr(connector, "_sigterm_notifier_fn", None)
+        handlers = getattr(signal.getsignal(signal.SIGTERM), "signal_handlers", None)
+        if lightning_notifier is None or not isinstance(handlers, list):
+            return
+        for index, handler in enumerate(handlers):
+            if handler == lightning_notifier:
+                handlers[index] = self.notify
+
+    def notify(self, signum: int, _frame: Any) -> None:
+        log.info("lightning_zero: rank %d received signal %d", getattr(self.trainer, "global_rank", 0), signum)
+        if not self.pending:  # as Lightning does: stop the processes this one launched
+            launcher = getattr(self.trainer.strategy, "launcher", None)
+            if launcher is not None:
+                launcher.kill(signum)
+        self.pending = True
+
+
+def wrap_batch_start(trainer: Any, agree: Callable[[bool], bool | None]) -> Callable[[], None] | None:
+    """Run ``agree`` where Lightning's training loop starts a batch, in place of what it does there.
 
     [Note: the start of a training batch]
     Lightning's training loop begins every batch, before fetching it, with a ``torch.distributed.broadcast``
     of rank 0's SIGTERM flag (``_TrainingEpochLoop._broadcast_sigterm_tensor``), on the default group and
-    outside any strategy hook. A rank that has run out of batches never gets there, so the others would wait
-    in that broadcast, out of this library's reach, for the process group's timeout. The strategy therefore
-    wraps that method on the Trainer's loop object (an attribute of the instance, removed at teardown) so that
-    the step agreement comes first: the ranks that are about to start a batch meet the rank that went on to
-    validation or to the end of fit in an agreement, which names them. Without that method (another
-    Lightning version) nothing is wrapped, and the agreement happens in ``training_step`` as before.
+    outside any strategy hook, then reads it on the host (``.item()``: on CUDA, a wait for the device). A rank
+    that has run out of batches never gets there, so the others would wait in that broadcast, out of this
+    library's reach, for the process group's timeout. The strategy therefore replaces that method on the
+    Trainer's loop object (an attribute of the instance, removed at teardown) with the step agreement: the
+    ranks that are about to start a batch meet the rank that went on to validation or to the end of fit in
+    an agreement, which names them. One exchange per batch instead of two, on the CPU side group, with no
+    device read.
+
+    The agreement carries the SIGTERM flag instead. Lightning's own handler cannot be kept as it is: on rank
+    0 it issues a ``broadcast`` on the default group from inside the signal handler, wherever the main thread
+    happens to be, which pairs with whatever collective the other ranks issue next (a stage-3 all-gather, a
+    reduce-scatter) and corrupts or deadlocks the step; and the rank that received the signal raises
+    ``SIGTERMException`` at the end of its batch while the others start the next one. So at the first batch
+    ``SigtermRelay`` takes the place of Lightning's notifier in the handler Lightning registered: the signal
+    is recorded in this process only (and, as Lightning does, the launched processes are stopped). The next
+    step agreement carries every rank's flag, and if any rank has one, every rank marks the Trainer as having
+    received SIGTERM and raises Lightning's ``SIGTERMException`` there, together, before the batch: the same
+    exit as Lightning's, at the same batch on every rank, and from any rank, not rank 0 only. (Validation
+    already under way finishes first.) Without that method (another Lightning version) nothing is wrapped,
+    and the agreement happens in ``training_step`` as before. ``agree`` takes this rank's flag and returns
+    whether any rank has one, or ``None`` when it exchanged nothing (then Lightning's broadcast runs).
     Returns the function that removes the wrapper."""
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     original = getattr(loop, "_broadcast_sigterm_tensor", None)
     if loop is None or original is None or "_broadcast_sigterm_tensor" in vars(loop):
         return None
+    relay = SigtermRelay(trainer)
 
     def start_batch() -> None:
-        agree()
-        original()
+        if not relay.installed:
+            relay.install()
+        anyone = agree(relay.pending or bool(getattr(trainer, "received_sigterm", False)))
+        if anyone is None:
+            original()
+        elif anyone:
+            trainer._signal_connector.received_sigterm = True
+            raise SIGTERMException()
 
     loop._broadcast_sigterm_tensor = start_batch
 

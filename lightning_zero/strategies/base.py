@@ -468,13 +468,17 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             if not held_already:  # validation in the middle of gradient accumulation keeps the hold
                 self.sharded_model.end_step()
 
-    def _agree_on_next_batch(self) -> None:
-        """See [Note: the start of a training batch] in ``strategies/agreement.py``."""
+    def _agree_on_next_batch(self, sigterm: bool) -> bool | None:
+        """See [Note: the start of a training batch] in ``strategies/agreement.py``: returns whether any rank
+        received SIGTERM (``None`` if nothing was agreed)."""
         module = self.lightning_module
         assert module is not None
         step = self._steps.get("training", 0) + 1
-        describe = agreement.before_training_batch(self.sharded_model.comm, module.trainer, module, step)
+        describe, sigterm = agreement.before_training_batch(
+            self.sharded_model.comm, module.trainer, module, step, sigterm
+        )
         self._agreed_step = (step, describe)
+        return sigterm
 
     def _count_step(self, phase: str) -> int:
         self._steps[phase] = self._steps.get(phase, 0) + 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
 from lightning_zero.engine.checkpoint import CheckpointMismatchError, CorruptCheckpointError
 from lightning_zero.engine.comm import CollectiveMismatchError
 from lightning_zero.engine.init_trace import MetaInitError
@@ -27,6 +29,7 @@ RAISED_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
     NonFiniteGradientError,
     UnsafeCheckpointError,
     WeightsOnlyCheckpointError,
+    SIGTERMException,  # rank 0's SIGTERM, announced in the step agreement (see [Note: the start of a training batch])
 )
 
 _PEER_GONE = re.compile(
