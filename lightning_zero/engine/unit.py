@@ -179,6 +179,7 @@ class ShardedUnit:
         # Whether the sharded gradients last reduced hold no inf/NaN on any rank: True/False when known for
         # every rank alike (set by GradReducer), None when unknown (accumulated onto earlier gradients).
         self.grads_finite: bool | None = None
+        self._reduce_plan: list[list[_Place]] | None = None  # see ``reduce_grads``
         self.shard_params = [self._make_shard_param(p, piece) for p, piece in zip(params, self.param_shards)]
         self.state = UnitState.UNSHARDED
         self.reshard()
@@ -453,21 +454,32 @@ class ShardedUnit:
             else torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=self.device)
         )
         chunks = flat_grad.view(self.layout.world_size, width)
+        if self._reduce_plan is None:  # where each parameter (and the padding) lands in the chunks: made once
+            layout = self.layout
+            self._reduce_plan = [_chunk_plan(width, o, n) for o, n in zip(layout.offsets, layout.numels)]
+            self._reduce_plan.append(_chunk_plan(width, layout.numel, layout.padded_numel - layout.numel))
         had_grad = []
         unused_here = False
-        for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
-            had_grad.append(param.grad is not None)
-            if param.grad is not None:
-                source = param.grad.reshape(-1)
-                for start, region in _chunk_regions(chunks, offset, numel):
-                    region.copy_(source[start : start + region.numel()].view(region.shape))
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        zeroed = [_region(chunks, place) for place in self._reduce_plan[-1]]  # the padding
+        for param, plan in zip(self.params, self._reduce_plan):
+            grad = param.grad
+            had_grad.append(grad is not None)
+            if grad is not None:
+                source = grad.reshape(-1)
+                for place in plan:
+                    region = _region(chunks, place)
+                    targets.append(region)
+                    sources.append(source[place[0] : place[0] + region.numel()].view(region.shape))
                 param.grad = None
             else:
                 unused_here = unused_here or param.requires_grad
-                for _, region in _chunk_regions(chunks, offset, numel):
-                    region.zero_()
-        for _, region in _chunk_regions(chunks, self.layout.numel, self.layout.padded_numel - self.layout.numel):
-            region.zero_()  # the padding
+                zeroed.extend(_region(chunks, place) for place in plan)
+        if targets:
+            torch._foreach_copy_(targets, sources)  # one dispatch for all the copies
+        if zeroed:
+            torch._foreach_zero_(zeroed)
         chunks[:, -1].fill_(1.0 if unused_here else 0.0)
         # The mean over ranks. Dividing the shard after summing costs 1/N of dividing the full buffer before,
         # and gives DDP's bits whenever N is a power of two (scaling by 2^-k commutes with rounding). In a
@@ -557,27 +569,40 @@ def to_master(shard: torch.Tensor, unit: ShardedUnit) -> torch.Tensor:
     return host
 
 
-def _chunk_regions(chunks: torch.Tensor, offset: int, numel: int) -> list[tuple[int, torch.Tensor]]:
-    """The places of the flat range ``[offset, offset + numel)`` in ``chunks`` (one row per rank: its range of
-    the flat layout, then a slot): ``(start in the range, view of chunks)`` pairs, at most three whatever the
-    world size (a partial first row, the full rows between as one 2-D view, a partial last row)."""
-    width = chunks.shape[1] - 1
-    regions: list[tuple[int, torch.Tensor]] = []
+_Place = tuple[int, int, int, int, int]  # (start in the range, row, column, count, rows): see ``_chunk_plan``
+
+
+def _chunk_plan(width: int, offset: int, numel: int) -> list[_Place]:
+    """Where the flat range ``[offset, offset + numel)`` lies in a reduction's chunks (one row per rank: its
+    ``width - 1`` elements of the flat layout, then a slot): at most three places whatever the world size (a
+    partial first row, the full rows between as one 2-D block, a partial last row). Each place is ``(start in
+    the range, row, column, count, rows)``: ``count`` elements of one row from ``column`` on when ``rows`` is
+    0, else ``rows`` whole rows from ``row`` on."""
+    width -= 1
+    places: list[_Place] = []
     position, end = offset, offset + numel
     row, column = divmod(position, width)
     if column and position < end:
         count = min(width - column, end - position)
-        regions.append((position - offset, chunks[row, column : column + count]))
+        places.append((position - offset, row, column, count, 0))
         position += count
         row += 1
     full_rows = (end - position) // width
     if full_rows:
-        regions.append((position - offset, chunks[row : row + full_rows, :width]))
+        places.append((position - offset, row, 0, width, full_rows))
         position += full_rows * width
         row += full_rows
     if position < end:
-        regions.append((position - offset, chunks[row, : end - position]))
-    return regions
+        places.append((position - offset, row, 0, end - position, 0))
+    return places
+
+
+def _region(chunks: torch.Tensor, place: _Place) -> torch.Tensor:
+    """The view of ``chunks`` a ``_chunk_plan`` place describes."""
+    _, row, column, count, rows = place
+    if rows:
+        return chunks[row : row + rows, :count]
+    return chunks[row, column : column + count]
 
 
 class ShardedParameterWriteError(RuntimeError):
