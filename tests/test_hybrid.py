@@ -175,3 +175,74 @@ def test_resolve_shard_size(shard_size: Any, local: int | None, expected: int) -
 def test_bad_shard_size_is_refused_at_construction(shard_size: Any) -> None:
     with pytest.raises(ValueError, match="shard_size must be"):
         ZeRO2Strategy(shard_size=shard_size)
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+# Saved at 2 ranks without shard groups, resumed at 4 with shard_size=2, saved there, resumed at 2 again. The
+# reference is DDPStrategy resumed from the same full file (it is DDP's own format); the sharded directories are
+# compared with it too (the runs that wrote them match DDP).
+SAVED_PLAIN = {"full": (lambda: "zero2", "plain-full"), "sharded": (lambda: _sharded(1), "plain-sharded")}
+SAVED_HYBRID = {
+    "full": (lambda: ZeRO3Strategy(shard_size=2), "hybrid-full"),
+    "sharded": (lambda: _sharded(1, shard_size=2), "hybrid-sharded"),
+}
+
+
+def _sharded(stage: int, **kwargs: Any) -> Any:
+    return (ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy)[stage - 1](checkpoint_format="sharded", **kwargs)
+
+
+def _resume_and_compare(root: str, saved: dict, loaders: list[tuple[str, Any]], world_size: int) -> None:
+    from tests.test_checkpoints import _run
+
+    reference = _run(DDPStrategy(), world_size, ckpt_path=f"{root}/{saved['full'][1]}/epoch0.ckpt")
+    assert reference.losses
+    for kind, make in loaders:
+        resumed = _run(make(), world_size, ckpt_path=f"{root}/{saved[kind][1]}/epoch0.ckpt")
+        where = f"{kind} checkpoint {saved[kind][1]} resumed at {world_size} ranks"
+        torch.testing.assert_close(resumed.losses, reference.losses, rtol=1e-6, atol=0, msg=where)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(resumed.state_dict()[key], value, rtol=1e-6, atol=1e-7, msg=f"{where}: {key}")
+
+
+def _save(root: str, saved: dict, world_size: int) -> None:
+    from tests.test_checkpoints import _run
+
+    for make, directory in saved.values():
+        _run(make(), world_size, directory=f"{root}/{directory}")
+
+
+def _save_plain(rank: int, world_size: int, root: str) -> None:
+    _save(root, SAVED_PLAIN, world_size)
+
+
+def _resume_with_shard_groups_and_save(rank: int, world_size: int, root: str) -> None:
+    _resume_and_compare(
+        root,
+        SAVED_PLAIN,
+        [("full", lambda: ZeRO3Strategy(shard_size=2)), ("sharded", lambda: ZeRO2Strategy(shard_size=2))],
+        world_size,
+    )
+    _save(root, SAVED_HYBRID, world_size)
+
+
+def _resume_without_shard_groups(rank: int, world_size: int, root: str) -> None:
+    _resume_and_compare(root, SAVED_HYBRID, [("full", lambda: "zero2"), ("sharded", lambda: "zero3")], world_size)
+
+
+def test_checkpoints_move_between_shard_layouts_and_world_sizes(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    root = str(tmp_path)
+    spawn(_save_plain, world_size=2, timeout=200, root=root)
+    spawn(_resume_with_shard_groups_and_save, world_size=4, timeout=300, root=root)
+    # Only the first shard group wrote the sharded pieces (ranks 0 and 1), each once.
+    (shards,) = (tmp_path / "hybrid-sharded" / "epoch0.ckpt").glob("shards-*")
+    metadata = dcp.FileSystemReader(str(shards)).read_metadata()
+    pieces = [i for i in metadata.storage_data if i.fqn.startswith(("model/", "optim/")) and len(i.offset) == 1]
+    files = {metadata.storage_data[index].relative_path for index in pieces}
+    assert files == {"__0_0.distcp", "__1_0.distcp"}, files
+    for fqn in {index.fqn for index in pieces}:  # the chunks tile each tensor exactly: no piece twice
+        entry = metadata.state_dict_metadata[fqn]
+        assert sum(chunk.sizes[0] for chunk in entry.chunks) == entry.size[0], fqn
+    spawn(_resume_without_shard_groups, world_size=2, timeout=200, root=root)
