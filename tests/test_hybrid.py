@@ -153,8 +153,40 @@ def _refused(rank: int, world_size: int) -> list[str]:
     return messages
 
 
+def _fabric_run(strategy: Any, rank: int, world_size: int) -> dict[str, Any]:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+    fabric.launch()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=0.01))
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+        loss = model(x).square().mean()
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fabric.strategy.teardown()
+    return {"losses": losses, "state": state}
+
+
 def _groups_and_refusals(rank: int, world_size: int) -> list[str]:
     _groups_of_collectives(rank, world_size)
+    from lightning_zero import fabric as zero_fabric
+
+    ddp = _fabric_run("ddp", rank, world_size)
+    for strategy in (zero_fabric.ZeRO1Strategy(shard_size=2), zero_fabric.ZeRO3Strategy(shard_size="node")):
+        got = _fabric_run(strategy, rank, world_size)
+        # "node" is the 4 local processes here: one shard group, today's plain ZeRO-3.
+        assert strategy.resolved_shard_size() == (2 if isinstance(strategy, zero_fabric.ZeRO1Strategy) else 4)
+        torch.testing.assert_close(got["losses"], ddp["losses"], rtol=1e-6, atol=0)
+        for key, value in ddp["state"].items():
+            torch.testing.assert_close(got["state"][key], value, rtol=1e-6, atol=1e-7, msg=key)
     return _refused(rank, world_size)
 
 
@@ -173,8 +205,11 @@ def test_resolve_shard_size(shard_size: Any, local: int | None, expected: int) -
 
 @pytest.mark.parametrize("shard_size", [0, -2, 2.0, True, "nodes"])
 def test_bad_shard_size_is_refused_at_construction(shard_size: Any) -> None:
-    with pytest.raises(ValueError, match="shard_size must be"):
-        ZeRO2Strategy(shard_size=shard_size)
+    from lightning_zero import fabric as zero_fabric
+
+    for strategy in (ZeRO2Strategy, zero_fabric.ZeRO2Strategy):
+        with pytest.raises(ValueError, match="shard_size must be"):
+            strategy(shard_size=shard_size)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
