@@ -40,8 +40,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import torch.distributed as dist
-
 from lightning_zero.engine.comm import Comm
 
 ShardSize = int | Literal["node"] | None
@@ -102,14 +100,13 @@ class ShardGroups:
     replicate: Comm | None = None
 
     @classmethod
-    def create(cls, world: Comm, shard_size: int | None) -> ShardGroups:
+    def create(cls, world: Comm, shard_size: int | None, device_type: str = "cpu") -> ShardGroups:
         """Split ``world`` into shard groups of ``shard_size`` consecutive ranks (a collective when it does: call
-        on every rank). ``None`` or the world size: no split."""
+        on every rank), for collectives on tensors of ``device_type``. ``None`` or the world size: no split."""
         size = resolve_shard_size(shard_size, world.world_size, None)
         if size == world.world_size:
             return cls(world, world)
         from torch.distributed.device_mesh import init_device_mesh
 
-        device_type = "cuda" if dist.get_backend(world.group) == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (world.world_size // size, size), mesh_dim_names=("replicate", "shard"))
         return cls(world, world.subgroup(mesh.get_group("shard")), world.subgroup(mesh.get_group("replicate")))

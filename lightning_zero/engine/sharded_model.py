@@ -54,6 +54,10 @@ class ShardedModel:
         optimizer.zero_grad()
         with sharded.gathered_parameters():               # full values, e.g. for an EMA copy
             ema.update_parameters(model)
+
+    ``shard_size`` (hybrid sharding, see [Note: hybrid sharding] in ``mesh.py``): ``None`` shards over every
+    rank of ``comm``; a number ``S`` (or ``"node"``: ``LOCAL_WORLD_SIZE``) shards inside groups of ``S``
+    consecutive ranks and replicates across them, e.g. ``ShardedModel(model, stage=3, comm=comm, shard_size=8)``.
     """
 
     def __init__(
@@ -90,7 +94,8 @@ class ShardedModel:
         self.module = module
         self.stage = stage
         self.comm = comm  # the world: agreements, flags, buffers
-        groups = ShardGroups.create(comm, size)
+        where = device or next(module.parameters()).device
+        groups = ShardGroups.create(comm, size, "cpu" if where.type == "meta" else where.type)
         self.shard_comm = groups.shard  # where states are sharded: ``comm`` itself unless hybrid
         self.replicate_comm = groups.replicate  # across shard groups (hybrid sharding only), else None
         self.shard_size = size
