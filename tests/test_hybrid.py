@@ -32,7 +32,7 @@ from tests.test_trainer_parity import _train
 PER_LAYER = [nn.Linear, nn.LayerNorm, nn.BatchNorm1d]
 HYBRID = {
     "zero1": lambda: ZeRO1Strategy(shard_size=2),
-    "zero2": lambda: ZeRO2Strategy(shard_size=2),
+    "zero2": lambda: ZeRO2Strategy(shard_size=2, log_stats=True),  # bytes inside and across groups logged too
     "zero3": lambda: ZeRO3Strategy(shard_size=2),
     "zero3-per-layer": lambda: ZeRO3Strategy(shard_size=2, unit_modules=PER_LAYER),
 }
@@ -60,11 +60,12 @@ def _trainer_parity(rank: int, world_size: int) -> None:
     for name, make in HYBRID.items():
         got = _train(make(), world_size, model_kwargs, trainer_kwargs)
         _assert_close(got, ddp, f"{name} shard_size=2 rank {rank}")
-    # One shard group: exactly today's run (the same collectives on the same groups).
-    today = _train(ZeRO3Strategy(), world_size, model_kwargs, trainer_kwargs)
-    for shard_size in (None, world_size):
-        got = _train(ZeRO3Strategy(shard_size=shard_size), world_size, model_kwargs, trainer_kwargs)
-        _assert_close(got, today, f"zero3 shard_size={shard_size} rank {rank}", exact=True)
+    # One shard group of every rank is exactly the default run, shard_size=None (the same collectives on the same
+    # groups; the default's parity with DDP is tests/test_trainer_parity.py's).
+    today = _train(ZeRO3Strategy(shard_size=None), world_size, model_kwargs, trainer_kwargs)
+    got = _train(ZeRO3Strategy(shard_size=world_size), world_size, model_kwargs, trainer_kwargs)
+    _assert_close(got, today, f"zero3 shard_size={world_size} rank {rank}", exact=True)
+    _assert_close(today, ddp, f"zero3 shard_size=None rank {rank}")
 
 
 def test_every_stage_with_shard_groups_matches_ddp() -> None:
@@ -133,6 +134,9 @@ def _groups_of_collectives(rank: int, world_size: int) -> None:
         stats = sharded.comms()
         assert stats["shard"].stats.calls("all_gather") > 0 and stats["world"].stats.calls("all_gather") == 0
         assert stats["replicate"].stats.calls("all_gather") == 0
+        # Across groups, per step: one all-reduce of each fp32 gradient shard between two ranks (ring: 2 x 1/2).
+        shard_bytes = sum(u.layout.shard_numel * 4 for u in sharded.units)
+        assert stats["replicate"].stats.by_kind["all_reduce"].bytes_sent == 2 * shard_bytes
         full = sharded.full_state_dict()
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(full[key], value, rtol=1e-6, atol=1e-7, msg=f"stage {stage}: {key}")
