@@ -24,9 +24,23 @@ Which group each collective runs on (every site in the engine and the strategies
   agreements of ``control.py`` and the sequence checks (the subgroups' collectives are checked in
   the world's sequence, see ``Comm.subgroup``), the used-parameter / non-finite / reduce-order
   flags of ``GradReducer``, ``nonfinite_grads``, the gradient scaler's found-inf, buffer
-  broadcasts, the initial broadcast of the parameters (shard group from its first rank, then
-  replicate group from the first group: rank 0's values everywhere), ``strategy.reduce``,
-  barriers, object broadcasts, checkpoint agreements and the ``log_stats`` time maximum.
+  broadcasts, ``strategy.reduce``, barriers, object broadcasts, checkpoint agreements, the
+  ``log_stats`` time maximum, and in ``strategies/saving.py`` the failure reports
+  (``all_gather_object``) and the count of elements written (an all-reduce: replicas write none,
+  so the count still equals each tensor's size);
+- both, one after the other: the initial broadcast of the parameters (in the shard group from its
+  first rank, then in the replicate group from the first shard group: rank 0's values everywhere).
+
+Checkpoints: the pieces a rank holds are named by their offset in the full tensor, not by rank (see
+[Note: checkpoint layout] in ``checkpoint.py``), so a checkpoint written with any ``shard_size`` at
+any world size loads under any other: each rank asks for the pieces of its own shard layout. Only
+the first shard group (replicate rank 0) writes pieces, so each is written once; DCP's 1-D mesh
+over the world (``strategy.device_mesh``) is unchanged.
+
+Why ``Comm.subgroup`` rather than plain ``Comm`` s: the collective checks and stall reports compare
+what every rank does at each position of one sequence; the shard and replicate collectives sit in
+the world's sequence (every rank issues them at the same positions, in its own groups), so one
+agreement per step still covers the step, and a rank that leaves the track is still caught.
 
 Example::
 
