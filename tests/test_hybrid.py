@@ -285,3 +285,12 @@ def test_checkpoints_move_between_shard_layouts_and_world_sizes(tmp_path) -> Non
         entry = metadata.state_dict_metadata[fqn]
         assert sum(chunk.sizes[0] for chunk in entry.chunks) == entry.size[0], fqn
     spawn(_resume_without_shard_groups, world_size=2, timeout=200, root=root)
+
+
+def test_node_is_the_processes_of_one_node() -> None:
+    strategy = ZeRO3Strategy(shard_size="node", parallel_devices=[torch.device("cpu")] * 4)
+    strategy.num_nodes = 2  # what the Trainer sets from num_nodes=2, devices=4
+    assert strategy.resolved_shard_size() == 4
+    strategy.shard_size = 3
+    with pytest.raises(ValueError, match=r"shard_size=3 does not divide the world size 8.*\[1, 2, 4, 8\]"):
+        strategy.resolved_shard_size()
