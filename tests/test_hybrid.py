@@ -66,6 +66,12 @@ def _trainer_parity(rank: int, world_size: int) -> None:
     got = _train(ZeRO3Strategy(shard_size=world_size), world_size, model_kwargs, trainer_kwargs)
     _assert_close(got, today, f"zero3 shard_size={world_size} rank {rank}", exact=True)
     _assert_close(today, ddp, f"zero3 shard_size=None rank {rank}")
+    # A layer used on rank 0 only: whether its gradient exists is agreed by every rank, not by the shard group
+    # (ranks 2 and 3 never use it), and its gradient is rank 0's divided by the world size, as in DDP.
+    model_kwargs = {"optimizer": "sgd", "rank_dependent": True}
+    ddp = _train(DDPStrategy(find_unused_parameters=True), world_size, model_kwargs, {})
+    for name in ("zero1", "zero2"):
+        _assert_close(_train(HYBRID[name](), world_size, model_kwargs, {}), ddp, f"{name} rank-dependent rank {rank}")
 
 
 def test_every_stage_with_shard_groups_matches_ddp() -> None:
