@@ -85,12 +85,21 @@ def _optim_key(index: int, name: str, key: str) -> str:
     return f"optim/{index}/{name}/{key}"
 
 
-def sharded_model_state(model: ShardedModel, mesh: DeviceMesh) -> dict[str, Any]:
+def writes_pieces(model: ShardedModel) -> bool:
+    """Whether this rank writes its pieces of the sharded state. Under hybrid sharding the replicate groups hold the
+    same pieces, so only the first shard group writes them, each once (see [Note: hybrid sharding] in ``mesh.py``);
+    loading asks for the pieces of the loading rank's layout, whatever layout and world size wrote them."""
+    return model.replicate_comm is None or model.replicate_comm.rank == 0
+
+
+def sharded_model_state(model: ShardedModel, mesh: DeviceMesh, loading: bool = False) -> dict[str, Any]:
     """This rank's part of the model state, ready for ``dcp.save``: parameter pieces (views of the
-    live shards, no copies) and the buffers."""
+    live shards, no copies; none on a replica, see ``writes_pieces``) and the buffers. ``loading``: the
+    pieces this rank's layout reads, replica or not."""
     state: dict[str, Any] = {}
+    writes = loading or writes_pieces(model)
     for unit, index, param, piece in _param_pieces(model):
-        if piece.numel:
+        if piece.numel and writes:
             view = unit.master[piece.shard_offset : piece.shard_offset + piece.numel]
             state[MODEL_PREFIX + unit.param_names[index]] = _piece(view, piece.param_offset, param.numel(), mesh)
     params = {id(p) for p in param_names(model)}
@@ -101,16 +110,18 @@ def sharded_model_state(model: ShardedModel, mesh: DeviceMesh) -> dict[str, Any]
 
 
 def sharded_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: int, mesh: DeviceMesh) -> dict[str, Any]:
-    """This rank's part of ``optimizer``'s state, ready for ``dcp.save``."""
+    """This rank's part of ``optimizer``'s state, ready for ``dcp.save`` (no pieces on a replica, see
+    ``writes_pieces``)."""
     model.units_of(optimizer)  # a clear error for a param group added after setup
     names = param_names(model)
+    writes = writes_pieces(model)
     state: dict[str, Any] = {}
     for held, entry in optimizer.state.items():  # keyed by the module's parameters
         param, piece = model._param_of[held]
         shard_param = model._shard_of[param][0]
         for key, value in entry.items():
             if is_param_shaped(key, value, shard_param):
-                if piece.numel:
+                if piece.numel and writes:
                     state[_optim_key(index, names[param], key)] = _piece(value, piece.param_offset, param.numel(), mesh)
             elif isinstance(value, torch.Tensor):
                 state[_optim_key(index, names[param], key)] = value
@@ -119,10 +130,12 @@ def sharded_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: in
 
 def piece_state_dict(model: ShardedModel) -> dict[str, Any]:
     """``model.module.state_dict()`` as DDP returns it (same keys, order and tied names), with each parameter
-    as this rank's ``FlatPiece`` of it (views of the live shards, the same piece under every tied name)."""
+    as this rank's ``FlatPiece`` of it (views of the live shards, the same piece under every tied name; empty on
+    a replica, see ``writes_pieces``)."""
     pieces = {}
+    numel_of = _piece_numel(model)
     for unit, index, param, piece in _param_pieces(model):
-        local = unit.master[piece.shard_offset : piece.shard_offset + piece.numel]
+        local = unit.master[piece.shard_offset : piece.shard_offset + numel_of(piece.numel)]
         key = MODEL_PREFIX + unit.param_names[index]
         pieces[id(param)] = FlatPiece(key, param.shape, local.dtype, local, piece.param_offset)
     state = model.module.state_dict(keep_vars=True)
@@ -145,14 +158,22 @@ def piece_optimizer_state(model: ShardedModel, optimizer: Optimizer, index: int)
     # state_dict() shares the per-parameter dicts with optimizer.state: copy before replacing entries.
     state_dict["state"] = {idx: dict(entry) for idx, entry in state_dict["state"].items()}
     held = [p for group in optimizer.param_groups for p in group["params"]]  # the module's parameters
+    numel_of = _piece_numel(model)
     for idx, entry in state_dict["state"].items():
         param, piece = model._param_of[held[idx]]
         shard_param = model._shard_of[param][0]  # shaped like this rank's piece, as the state is
         for key, value in entry.items():
             if is_param_shaped(key, value, shard_param):
                 name = f"optim/{index}/{idx}/{key}"
-                entry[key] = FlatPiece(name, param.shape, value.dtype, value, piece.param_offset)
+                local = value[: numel_of(value.numel())]
+                entry[key] = FlatPiece(name, param.shape, value.dtype, local, piece.param_offset)
     return state_dict
+
+
+def _piece_numel(model: ShardedModel) -> Callable[[int], int]:
+    """How many of a piece's elements this rank writes: all of them, or none on a replica (``writes_pieces``)."""
+    writes = writes_pieces(model)
+    return lambda numel: numel if writes else 0
 
 
 def checkpoint_meta(model: ShardedModel, optimizers: list[Optimizer]) -> dict[str, Any]:
@@ -262,7 +283,7 @@ def load_sharded(
     reader = SafeFileSystemReader(shards, save_id)
     saved = reader.read_metadata().state_dict_metadata
     _check_names(model, zero_meta, saved, strict)
-    target = {k: v for k, v in sharded_model_state(model, mesh).items() if k in saved}
+    target = {k: v for k, v in sharded_model_state(model, mesh, loading=True).items() if k in saved}
     optimizer_targets: list[dict[str, Any]] = []
     for index, optimizer in enumerate(optimizers):
         wanted = _optimizer_target(model, optimizer, index, saved, mesh)

@@ -266,6 +266,24 @@ class Comm:
         self._on_track = False
         self._outstanding = 0
         self.broken = False  # a check failed while collectives were in flight: this group can no longer be used
+        # The Comm whose sequence checks this one's collectives: itself, or the world's for a ``subgroup``.
+        self._checker: Comm = self
+
+    def subgroup(self, group: dist.ProcessGroup) -> Comm:
+        """A ``Comm`` over ``group`` (a process group made on every rank of this one, e.g. a shard group of
+        hybrid sharding) whose collectives are checked in *this* Comm's sequence (see [Note: collective checks]):
+        every rank of this Comm's group issues them at the same positions, whichever subgroup it is in, so one
+        sequence and one stall report cover both. Its bytes are counted in its own ``stats``. A subgroup of one
+        rank skips its collectives.
+
+        Example::
+
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+            shard_comm = world_comm.subgroup(mesh.get_group("shard"))
+        """
+        child = Comm(group, checks=self.checks, control=self.control)
+        child._checker = self
+        return child
 
     # ------------------------------------------------------------------ sequences and agreements
     def begin_sequence(self, key: str, row: list[int] | None, describe: Callable[[], str]) -> None:
@@ -393,13 +411,14 @@ class Comm:
         if self.control is not None:
             index = self.control.issued["main"]
             self.control.issued["main"] += 1
-        self._outstanding += 1
+        checker = self._checker
+        checker._outstanding += 1
         pending = Pending(
             self.stats,
             kind,
             work,
             *(a for a in args if isinstance(a, torch.Tensor)),
-            wait=lambda w: self._wait(w, index, describe),
+            wait=lambda w: checker._wait(w, index, describe),
             issued=issued,
         )
         if async_op:
@@ -419,7 +438,7 @@ class Comm:
             if output.data_ptr() != shard.data_ptr():
                 output.copy_(shard)
             return Pending(self.stats, "all_gather", None) if async_op else None
-        describe = self._before("all_gather", name, output.numel(), guard)
+        describe = self._checker._before("all_gather", name, output.numel(), guard)
         gather, source = _all_gather_single, shard
         if self.via_all_to_all:  # see [Note: gloo all-to-all]; the copies also free ``shard`` to alias ``output``
             gather = dist.all_to_all_single
@@ -443,7 +462,7 @@ class Comm:
         if self._skip:
             shard.copy_(full)
             return Pending(self.stats, "reduce_scatter", None) if async_op else None
-        describe = self._before("reduce_scatter", name, full.numel(), guard=False)
+        describe = self._checker._before("reduce_scatter", name, full.numel(), guard=False)
         bytes_sent = self._ring_bytes(full)
         if not self.via_all_to_all:
             return self._timed(
@@ -480,7 +499,7 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, name: str = "") -> None:
         if self._skip:
             return
-        describe = self._before("all_reduce", name, tensor.numel(), guard=False)
+        describe = self._checker._before("all_reduce", name, tensor.numel(), guard=False)
         self._timed(
             "all_reduce", 2 * self._ring_bytes(tensor), describe, dist.all_reduce, tensor, op=op, group=self.group
         )
@@ -489,7 +508,7 @@ class Comm:
         """Broadcast from group rank ``src``."""
         if self._skip:
             return
-        describe = self._before("broadcast", "", tensor.numel(), guard=False)
+        describe = self._checker._before("broadcast", "", tensor.numel(), guard=False)
         sent = tensor.numel() * tensor.element_size() if self.rank == src else 0
         global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
         self._timed("broadcast", sent, describe, dist.broadcast, tensor, src=global_src, group=self.group)

@@ -94,6 +94,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from lightning_zero.engine.comm import Comm
 from lightning_zero.engine.unit import ReducedGrads, ShardedUnit
 
 UnitCallback = Callable[[ShardedUnit], None]
@@ -171,8 +172,12 @@ class GradReducer:
         after_unit_reduced: UnitCallback | None = None,
         after_backward: Callable[[], None] | None = None,
         max_in_flight_bytes: int | None = None,
+        comm: Comm | None = None,
     ) -> None:
         self.units = units
+        # Where the flags of ``_attach_pending`` are combined: every rank (the units' own Comm is the shard group
+        # under hybrid sharding; see [Note: hybrid sharding] in mesh.py).
+        self.comm = comm if comm is not None or not units else units[0].comm
         self.order = list(reversed(units))  # the reduce order (see [Note: reduce order])
         self.order_agreed = False  # True once the order recorded on the first backward is settled
         self._completed: list[ShardedUnit] = []  # this backward's completion order, while recording
@@ -407,7 +412,7 @@ class GradReducer:
         if proposal is not None:
             parts.append(torch.tensor(_order_hash(self.units, proposal), dtype=torch.uint8).to(device))
         combined = torch.cat(parts)
-        self.order[0].comm.all_reduce(combined, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce(combined, op=dist.ReduceOp.MAX)
         flags = combined.tolist()
         self._synchronize_copies(pending, device)
         used, flags = flags[: len(had)], flags[len(had) :]

@@ -7,6 +7,7 @@ It ties together the units (``unit.py``), gradient reduction (``grads.py``), sta
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,6 +30,7 @@ from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, bucket_units, 
 from lightning_zero.engine.init_trace import InitTrace
 from lightning_zero.engine.layout import ParamShard
 from lightning_zero.engine.materialize import has_meta_tensors, materialize_units
+from lightning_zero.engine.mesh import ShardGroups, ShardSize, resolve_shard_size
 from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params
 from lightning_zero.engine.stage3 import Stage3Hooks
 from lightning_zero.engine.unit import ShardedUnit, check_unit_params
@@ -52,6 +54,10 @@ class ShardedModel:
         optimizer.zero_grad()
         with sharded.gathered_parameters():               # full values, e.g. for an EMA copy
             ema.update_parameters(model)
+
+    ``shard_size`` (hybrid sharding, see [Note: hybrid sharding] in ``mesh.py``): ``None`` shards over every
+    rank of ``comm``; a number ``S`` (or ``"node"``: ``LOCAL_WORLD_SIZE``) shards inside groups of ``S``
+    consecutive ranks and replicates across them, e.g. ``ShardedModel(model, stage=3, comm=comm, shard_size=8)``.
     """
 
     def __init__(
@@ -69,9 +75,12 @@ class ShardedModel:
         prefetch: int = 1,
         reshard_after_forward: bool = True,
         bucket_numel: int = 0,
+        shard_size: ShardSize = None,
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        # Checked before anything else, on every rank alike (see [Note: hybrid sharding] in mesh.py).
+        size = resolve_shard_size(shard_size, comm.world_size, _local_world_size())
         plans = plan_units(module, policy)
         if not plans:
             raise ValueError(
@@ -84,7 +93,12 @@ class ShardedModel:
             plans = bucket_units(plans, bucket_numel)
         self.module = module
         self.stage = stage
-        self.comm = comm
+        self.comm = comm  # the world: agreements, flags, buffers
+        where = device or next(module.parameters()).device
+        groups = ShardGroups.create(comm, size, "cpu" if where.type == "meta" else where.type)
+        self.shard_comm = groups.shard  # where states are sharded: ``comm`` itself unless hybrid
+        self.replicate_comm = groups.replicate  # across shard groups (hybrid sharding only), else None
+        self.shard_size = size
         self.broadcast_buffers = broadcast_buffers
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
@@ -98,16 +112,17 @@ class ShardedModel:
                 plan.module,
                 plan.params,
                 plan.param_names,
-                comm,
+                self.shard_comm,
                 reshard_after_forward=stage == 3,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
                 offload=offload_optimizer,
                 full=full,
+                replicate=self.replicate_comm,
             )
 
         if has_meta_tensors(module):
-            materialize_units(module, plans, device or torch.device("cpu"), comm.world_size, build, meta_init)
+            materialize_units(module, plans, device or torch.device("cpu"), size, build, meta_init)
         else:
             for index in range(len(plans)):
                 build(index, None)
@@ -135,7 +150,7 @@ class ShardedModel:
         self._sync_buffers()
 
         self.stage3: Stage3Hooks | None = None
-        self.reducer = GradReducer(self.units, reduce_every_micro_batch=stage >= 2)
+        self.reducer = GradReducer(self.units, reduce_every_micro_batch=stage >= 2, comm=comm)
         if stage == 3:
             self.stage3 = Stage3Hooks(
                 self.units,
@@ -320,7 +335,8 @@ class ShardedModel:
         return [u for u in self.units if id(u) in stepped]
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> torch.Tensor:
-        """The norm of ``optimizer``'s gradients over all ranks' shards (one all-reduce; same on every rank)."""
+        """The norm of ``optimizer``'s gradients over all ranks' shards (one all-reduce; same on every rank). Under
+        hybrid sharding over the shard group only: its replicas hold the same shards."""
         grads = [p.grad for p in self.shard_params_of(optimizer) if p.grad is not None and p.numel()]
         norm_type = float(norm_type)
         device = self.units[0].device  # where collectives run (gradients may be offloaded to the CPU)
@@ -328,12 +344,12 @@ class ShardedModel:
         if norm_type == float("inf"):
             if grads:
                 total = torch.stack([g.abs().max() for g in grads]).max().float().to(device)
-            self.comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
+            self.shard_comm.all_reduce(total, op=torch.distributed.ReduceOp.MAX)
             return total
         if grads:
             total = torch.stack([torch.linalg.vector_norm(g, norm_type).float() ** norm_type for g in grads]).sum()
             total = total.to(device)
-        self.comm.all_reduce(total)
+        self.shard_comm.all_reduce(total)
         return total ** (1.0 / norm_type)
 
     def nonfinite_grads(self, optimizer: Optimizer) -> tuple[list[int], list[str]]:
@@ -442,7 +458,7 @@ class ShardedModel:
 
     def full_optimizer_state_dict(self, optimizer: Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` as if it had stepped full parameters (what DDP would save)."""
-        return full_optimizer_state_dict(optimizer, self.units_of(optimizer), self.comm)
+        return full_optimizer_state_dict(optimizer, self.units_of(optimizer), self.shard_comm)
 
     def load_full_optimizer_state_dict(self, optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
         """Load a full (DDP-shaped) optimizer state dict into ``optimizer``'s shards."""
@@ -488,6 +504,16 @@ class ShardedModel:
         for index, state in full["state"].items():
             optimizer.state[params[index]] = state
 
+    def comms(self) -> dict[str, Comm]:
+        """The Comms whose ``stats`` count this model's collectives: ``{"world": ...}``, and under hybrid sharding
+        also ``"shard"`` (inside shard groups) and ``"replicate"`` (across them)."""
+        if self.replicate_comm is None and self.shard_comm is self.comm:
+            return {"world": self.comm}
+        comms = {"world": self.comm, "shard": self.shard_comm}
+        if self.replicate_comm is not None:
+            comms["replicate"] = self.replicate_comm
+        return comms
+
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model state this rank holds now: parameters (the persistent compute copy), the master
         shard where it is kept apart (mixed precision, offload), gathered parameters (stage 3, transient),
@@ -514,6 +540,12 @@ class ShardedModel:
             "grads": grads,
             "optimizer_states": states,
         }
+
+
+def _local_world_size() -> int | None:
+    """Processes on this node, as torchrun and Lightning's launchers set it (for ``shard_size="node"``)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value and value.isdigit() else None
 
 
 def _storage_bytes(tensors: Any) -> int:

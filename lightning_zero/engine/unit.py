@@ -127,13 +127,15 @@ class ShardedUnit:
         reduce_dtype: torch.dtype | None = None,
         offload: bool = False,
         full: torch.Tensor | None = None,
+        replicate: Comm | None = None,
     ) -> None:
         check_unit_params(name, params, param_names)
         self.name = name
         self.module = module
         self.params = params
         self.param_names = param_names
-        self.comm = comm
+        self.comm = comm  # the shard group (all ranks unless hybrid: see [Note: hybrid sharding] in mesh.py)
+        self.replicate = replicate  # the replicate group under hybrid sharding, else None
         self.reshard_after_forward = reshard_after_forward
         self.layout = ShardLayout.from_shapes([p.shape for p in params], comm.world_size)
         self.param_shards: list[ParamShard] = self.layout.param_shards(comm.rank)
@@ -151,6 +153,8 @@ class ShardedUnit:
         if sync_from_rank0:
             # Every rank starts from rank 0's values, as with DDP (in the master dtype: nothing is rounded).
             comm.broadcast(full, src=0)
+            if replicate is not None:  # then from the first shard group, whose ranks now all hold rank 0's
+                replicate.broadcast(full, src=0)
         start, end = self.layout.shard_range(comm.rank)
         if self.separate_master:
             self.master = full[start:end].to(self.master_device, copy=True)
@@ -485,7 +489,7 @@ class ShardedUnit:
         # and gives DDP's bits whenever N is a power of two (scaling by 2^-k commutes with rounding). In a
         # half-precision reduction, dividing first keeps the sum from overflowing, as DDP does. (A positive
         # slot stays positive either way.)
-        world = self.comm.world_size
+        world = self.comm.world_size * (self.replicate.world_size if self.replicate is not None else 1)
         divide_first = world > 1 and (self.reduce_dtype in _HALF_DTYPES or world & (world - 1) != 0)
         if divide_first:
             flat_grad.div_(world)
@@ -550,6 +554,10 @@ class ReducedGrads:
             self._pending.wait()
             self._pending = None
             self._release_buffer()
+        replicate = self.unit.replicate
+        if replicate is not None and self.total is None:
+            # The shard group's sum, summed across replicas (the unused-parameter slot too: every rank's then).
+            replicate.all_reduce(self._out, name=self.unit.name)
         if self.total is None:
             shard = self._out[:-1]
             if self._divisor is not None:

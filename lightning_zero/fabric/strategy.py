@@ -55,6 +55,7 @@ from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.control import ControlChannel
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
+from lightning_zero.engine.mesh import ShardSize, check_shard_size
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric.precision import check_precision, shard_scaler, skip_nonfinite_step
 from lightning_zero.fabric.wrapper import ShardedForward, StepBracket, ZeROBackwardSyncControl
@@ -83,7 +84,8 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
     ``process_group_backend``, ``timeout``, ``checkpoint_format`` (what ``fabric.save`` writes:
     ``"sharded"`` directory or ``"full"`` file), ``nonfinite_grads``, ``collective_checks``,
     ``param_dtype``, ``reduce_dtype``, ``offload_optimizer``, ``meta_init`` (what
-    ``fabric.init_module()`` does), ``bucket_size_mb``, ``prefetch``, ``reshard_after_forward`` and
+    ``fabric.init_module()`` does), ``bucket_size_mb``, ``prefetch``, ``reshard_after_forward``,
+    ``shard_size`` (hybrid sharding: ``None``, a number of ranks per shard group, or ``"node"``) and
     ``start_method``. ``accelerator``, ``parallel_devices``, ``cluster_environment``,
     ``checkpoint_io`` and ``precision`` are normally left to ``Fabric``.
     """
@@ -110,6 +112,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         bucket_size_mb: float | None = None,
         prefetch: int = 1,
         reshard_after_forward: bool = True,
+        shard_size: ShardSize = None,
         start_method: StartMethod = "popen",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -131,6 +134,8 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             meta_init=meta_init,
         )
         validate_overlap_options(self.stage, bucket_size_mb, prefetch, reshard_after_forward)
+        check_shard_size(shard_size)
+        self.shard_size = shard_size
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -179,6 +184,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self.resolved_shard_size()  # a shard_size that does not divide the world fails here, on every rank
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -249,6 +255,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             prefetch=self.prefetch,
             reshard_after_forward=self.reshard_after_forward,
             bucket_numel=bucket_numel(self.bucket_size_mb, module),
+            shard_size=self.resolved_shard_size(),
         )
         self._meta_init = None
         shard_scaler(self.precision, self._sharded, self.root_device.type)

@@ -58,6 +58,7 @@ from lightning_zero.engine.control import ControlChannel, abort_if_broken
 from lightning_zero.engine.files import find_checkpoint, remove_checkpoint
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
+from lightning_zero.engine.mesh import ShardSize, check_shard_size
 from lightning_zero.strategies import agreement, checkpointing
 from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
 from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure
@@ -136,6 +137,12 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         reshard_after_forward: Stage 3: ``True`` (default) frees each unit after its forward and gathers it
             again in backward (``3Ψ`` communication, least memory); ``False`` keeps it gathered until its
             gradients are reduced (``2Ψ``, as stages 1 and 2, for the memory of every unit at once).
+        shard_size: Hybrid sharding: ``None`` (default) shards over all ranks; a number ``S`` shards every state
+            over groups of ``S`` consecutive ranks and replicates it across the groups (FSDP's HYBRID_SHARD,
+            ZeRO++ hpZ); ``"node"`` is the processes of one node. Parameter gathers stay inside a group; each
+            group's reduced gradient shard is all-reduced across groups. ``S`` must divide the world size.
+            Example: ``ZeRO3Strategy(shard_size="node")`` on 8 nodes of 8 GPUs holds ``16Ψ/8`` bytes per GPU
+            and gathers over the node's links only. See ``docs/multinode.md``.
         start_method: How Lightning starts processes when it launches them itself: ``"popen"``
             (re-runs the script, the default, as for ``DDPStrategy``), ``"spawn"``, ``"fork"``
             or ``"forkserver"``.
@@ -167,6 +174,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         bucket_size_mb: float | None = None,
         prefetch: int = 1,
         reshard_after_forward: bool = True,
+        shard_size: ShardSize = None,
         start_method: StartMethod = "popen",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -188,6 +196,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             meta_init=meta_init,
         )
         validate_overlap_options(self.stage, bucket_size_mb, prefetch, reshard_after_forward)
+        check_shard_size(shard_size)
+        self.shard_size = shard_size
         self.bucket_size_mb = default_bucket_size_mb(self.stage, unit_modules, bucket_size_mb)
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
@@ -219,7 +229,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         self._steps: dict[str, int] = {}
         self._agreed_step: tuple[int, Callable[[], str]] | None = None  # the step agreed at its batch's start
         self._unwrap_batch_start: Callable[[], None] | None = None
-        self._stats_logged_until: CommStats | None = None
+        self._stats_logged_until: dict[str, CommStats] | None = None
         self._meta_init: InitTrace | None = None
         self._inserted_callbacks: list[pl.Callback] = []
 
@@ -242,6 +252,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        self.resolved_shard_size()  # a shard_size that does not divide the world fails here, on every rank
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -329,6 +340,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             prefetch=self.prefetch,
             reshard_after_forward=self.reshard_after_forward,
             bucket_numel=bucket_numel(self.bucket_size_mb, self.model),
+            shard_size=self.resolved_shard_size(),
         )
         self._meta_init = None
         self._stats_logged_until = None

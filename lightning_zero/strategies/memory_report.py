@@ -73,10 +73,12 @@ def memory_report(strategy: ZeROStrategy) -> MemoryReport:
     precision = strategy.precision_plugin
     unit = sharded.units[0]
     optimizers = strategy.unwrapped_optimizers
+    # Under hybrid sharding states are divided by the shard group's size, not the world's (engine/mesh.py).
+    hybrid = sharded.replicate_comm is not None
     estimate = estimate_memory(
         strategy.lightning_module,
-        devices=strategy.num_processes,
-        nodes=strategy.num_nodes,
+        devices=sharded.shard_size if hybrid else strategy.num_processes,
+        nodes=1 if hybrid else strategy.num_nodes,
         precision=precision.precision,
         offload_optimizer=strategy.offload_optimizer,
         optimizer_state_bytes=_optimizer_state_bytes(optimizers, unit.master_dtype),

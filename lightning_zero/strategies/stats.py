@@ -18,16 +18,27 @@ def log_step_stats(strategy: ZeROStrategy) -> None:
     assert module is not None
     trainer = module.trainer
     sharded = strategy.sharded_model
-    now = sharded.comm.stats.snapshot()
-    stats = now.since(strategy._stats_logged_until) if strategy._stats_logged_until is not None else now
+    # Under hybrid sharding the bytes inside and across shard groups are counted apart (see [Note: hybrid sharding]
+    # in engine/mesh.py): "zero/shard_group/..." and "zero/replicate_group/..." beside the world's "zero/...".
+    previous = strategy._stats_logged_until or {}
+    now = {name: comm.stats.snapshot() for name, comm in sharded.comms().items()}
+    by_group = {name: stats.since(previous[name]) if name in previous else stats for name, stats in now.items()}
     strategy._stats_logged_until = now
-    seconds = torch.tensor([sum(s.seconds for s in stats.by_kind.values())], device=strategy.root_device)
+    total = sum(s.seconds for stats in by_group.values() for s in stats.by_kind.values())
+    seconds = torch.tensor([total], device=strategy.root_device)
     sharded.comm.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)  # the slowest rank bounds the step
-    metrics = {"zero/comm_bytes": float(stats.bytes_sent), "zero/comm_seconds_max": seconds.item()}
-    for kind, entry in stats.by_kind.items():
-        metrics[f"zero/{kind}_bytes"] = float(entry.bytes_sent)
-        metrics[f"zero/{kind}_seconds"] = entry.seconds
-        metrics[f"zero/{kind}_calls"] = float(entry.calls)
+    metrics = {
+        "zero/comm_bytes": float(sum(stats.bytes_sent for stats in by_group.values())),
+        "zero/comm_seconds_max": seconds.item(),
+    }
+    for name, stats in by_group.items():
+        prefix = "zero/" if name == "world" else f"zero/{name}_group/"
+        if name != "world":
+            metrics[f"{prefix}bytes"] = float(stats.bytes_sent)
+        for kind, entry in stats.by_kind.items():
+            metrics[f"{prefix}{kind}_bytes"] = float(entry.bytes_sent)
+            metrics[f"{prefix}{kind}_seconds"] = entry.seconds
+            metrics[f"{prefix}{kind}_calls"] = float(entry.calls)
     metrics.update({f"zero/memory_{k}_bytes": float(v) for k, v in sharded.memory_stats().items()})
     metrics["zero/skipped_steps"] = float(strategy.skipped_steps)
     for logger in trainer.loggers:

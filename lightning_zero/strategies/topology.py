@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lightning_zero.engine.mesh import ShardSize, resolve_shard_size
+
 
 class ProcessTopology:
     """Mixed in before a Lightning ``ParallelStrategy`` (which provides ``parallel_devices``, ``local_rank`` and
@@ -27,6 +29,7 @@ class ProcessTopology:
     global_rank: int
     _num_nodes: int
     _process_group_backend: str | None
+    shard_size: ShardSize
 
     @property
     def root_device(self) -> torch.device:
@@ -52,3 +55,9 @@ class ProcessTopology:
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
+
+    def resolved_shard_size(self) -> int:
+        """Ranks per shard group (see [Note: hybrid sharding] in ``engine/mesh.py``): ``shard_size``, with
+        ``None`` as the world size and ``"node"`` as the processes of one node. Raises ``ValueError`` on every
+        rank alike when it does not divide the world size (no collective needed: every rank knows both)."""
+        return resolve_shard_size(self.shard_size, self.num_nodes * self.num_processes, self.num_processes)
