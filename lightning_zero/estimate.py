@@ -161,6 +161,7 @@ class MemoryEstimate:
     recommendation: str
     notes: tuple[str, ...] = field(default=())
     units: int | None = None  # from a model: how many units the engine would make
+    offload_params: bool = False  # stage 3's parameter shards in CPU memory too
 
     @property
     def world_size(self) -> int:
@@ -191,6 +192,7 @@ class MemoryEstimate:
             "units": self.units,
             "dtypes": self.dtypes._asdict(),
             "offload_optimizer": self.offload_optimizer,
+            "offload_params": self.offload_params,
             "bandwidth_gbps": self.bandwidth_gbps,
             "bandwidth_source": self.bandwidth_source,
             "memory_per_device": self.memory_per_device,
@@ -285,7 +287,14 @@ def _dtypes(
 
 
 def _rows(
-    counts: _Counts, d: Dtypes, world_size: int, offload: bool, prefetch: int, bandwidth: float, memory: float | None
+    counts: _Counts,
+    d: Dtypes,
+    world_size: int,
+    offload: bool,
+    prefetch: int,
+    bandwidth: float,
+    memory: float | None,
+    offload_params: bool = False,
 ) -> tuple[StrategyEstimate, ...]:
     ring = (world_size - 1) / world_size  # each rank sends this fraction of a collective's buffer
 
@@ -316,7 +325,11 @@ def _rows(
             params = counts.shard * c if offload or not separate else 0.0
         full_grads = counts.trainable * c if stage == 1 else 0.0  # stage 1: full gradients through backward
         grad_shard, master = counts.grad_shard * m, counts.shard * m if separate else 0.0
-        if offload:
+        if offload and offload_params and stage == 3:
+            # The compute shard on the host: a tensor of its own only when its dtype is not the master's.
+            device = StateBytes(0.0, 0.0, 0.0, 0.0)
+            cpu = StateBytes(counts.shard * c if d.separate_master else 0.0, grad_shard, master, counts.state_shard * k)
+        elif offload:
             device = StateBytes(params, full_grads, 0.0, 0.0)
             cpu = StateBytes(0.0, grad_shard, master, counts.state_shard * k)
         else:  # stage 1 counts its peak, the full gradients, rather than the shards they become
@@ -356,6 +369,7 @@ def estimate_memory(
     unit_modules: Sequence[type[nn.Module] | str] | None = None,
     prefetch: int = 1,
     largest_unit_params: int | str | None = None,
+    offload_params: bool = False,
 ) -> MemoryEstimate:
     """Predict per-device model-state memory and per-step communication of DDP and ZeRO stages 1-3.
 
@@ -377,6 +391,8 @@ def estimate_memory(
             units of the largest size (at most as many as there are units).
         largest_unit_params: for a bare count, the parameters of the largest unit (stage 3's gather
             buffers are then counted; without it they are not). A model's units are known exactly.
+        offload_params: stage 3's parameter shards in CPU memory too (the stage-3 row only; implies
+            ``offload_optimizer``): nothing persistent stays on the device, only the gathered units.
 
     Example::
 
@@ -441,7 +457,8 @@ def estimate_memory(
         bandwidth, source = INTER_NODE_GBPS, "default for several nodes: one 200 Gb/s InfiniBand/RoCE link per GPU"
     if world_size == 1:
         notes.append("one device: nothing is communicated and nothing is sharded")
-    rows = _rows(counts, d, world_size, offload_optimizer, prefetch, bandwidth, memory)
+    offload_optimizer = offload_optimizer or offload_params
+    rows = _rows(counts, d, world_size, offload_optimizer, prefetch, bandwidth, memory, offload_params)
     if counts.gathered_numel(prefetch) is None:
         notes.append(
             "stage 3's gathered units are not counted: the largest unit is unknown for a bare parameter count "
@@ -464,6 +481,7 @@ def estimate_memory(
         recommendation=text,
         notes=tuple(notes),
         units=units,
+        offload_params=offload_params,
     )
 
 

@@ -69,6 +69,7 @@ def render(est: MemoryEstimate) -> str:
         f"{_format_count(est.numel)} parameters ({est.numel:,}{trainable}{units}) on {est.world_size} "
         f"device{'s' if est.world_size > 1 else ''} ({est.nodes} node{'s' if est.nodes > 1 else ''} x {est.devices}), "
         f"precision {d.precision}{', optimizer offloaded to CPU' if est.offload_optimizer else ''}"
+        f"{', stage 3 parameters offloaded to CPU' if est.offload_params else ''}"
     )
     table = [fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(fmt(cells) for cells in lines)]
     paragraphs = [

@@ -58,6 +58,12 @@ class ShardedModel:
     ``shard_size`` (hybrid sharding, see [Note: hybrid sharding] in ``mesh.py``): ``None`` shards over every
     rank of ``comm``; a number ``S`` (or ``"node"``: ``LOCAL_WORLD_SIZE``) shards inside groups of ``S``
     consecutive ranks and replicates across them, e.g. ``ShardedModel(model, stage=3, comm=comm, shard_size=8)``.
+
+    ``offload_optimizer``: master shards, sharded gradients and optimizer states in (pinned) host memory, the
+    step on the CPU (see [Note: offload copies] in ``unit.py``). ``offload_params`` (stage 3 only; implies
+    ``offload_optimizer``): the parameter shards in host memory too, copied to the device when their unit is
+    gathered, so the device holds only the units in flight (see [Note: parameter offload] in ``unit.py``), e.g.
+    ``ShardedModel(model, stage=3, comm=comm, offload_params=True)``.
     """
 
     def __init__(
@@ -76,9 +82,11 @@ class ShardedModel:
         reshard_after_forward: bool = True,
         bucket_numel: int = 0,
         shard_size: ShardSize = None,
+        offload_params: bool = False,
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        check_offload_params(stage, offload_params)
         # Checked before anything else, on every rank alike (see [Note: hybrid sharding] in mesh.py).
         size = resolve_shard_size(shard_size, comm.world_size, _local_world_size())
         plans = plan_units(module, policy)
@@ -102,7 +110,10 @@ class ShardedModel:
         self.broadcast_buffers = broadcast_buffers
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-        self.offload_optimizer = offload_optimizer
+        # Parameters on the host imply the optimizer there too, as FSDP2's CPUOffloadPolicy does (see
+        # [Note: parameter offload] in unit.py).
+        self.offload_optimizer = offload_optimizer or offload_params
+        self.offload_params = offload_params
         units: list[ShardedUnit | None] = [None] * len(plans)
 
         def build(index: int, full: torch.Tensor | None) -> None:
@@ -116,9 +127,10 @@ class ShardedModel:
                 reshard_after_forward=stage == 3,
                 param_dtype=param_dtype,
                 reduce_dtype=reduce_dtype,
-                offload=offload_optimizer,
+                offload=self.offload_optimizer,
                 full=full,
                 replicate=self.replicate_comm,
+                offload_params=offload_params,
             )
 
         if has_meta_tensors(module):
@@ -282,6 +294,7 @@ class ShardedModel:
         saved = []
         self._on_shards_units = self.units_of(optimizer)
         for unit in self._on_shards_units:
+            unit.wait_host_reads()  # the step writes the master, which may be the offloaded shard itself
             unit.adopt_rebound_data()
             unit.check_no_hidden_writes()
             for param, shard_param in zip(unit.params, unit.shard_params):
@@ -515,10 +528,21 @@ class ShardedModel:
         return comms
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes of model state this rank holds now: parameters (the persistent compute copy), the master
-        shard where it is kept apart (mixed precision, offload), gathered parameters (stage 3, transient),
-        sharded gradients and optimizer states. With ``offload_optimizer`` the last three are in CPU memory."""
+        """Bytes of model state this rank holds now: ``params`` (the persistent compute copy on the device),
+        ``master_params`` (the master shard where it is kept apart: mixed precision, offload),
+        ``gathered_params`` (stage 3, transient), ``grads`` (sharded gradients), ``optimizer_states`` and
+        ``host_params`` (the compute shards in host memory under ``offload_params``, where they are tensors of
+        their own; with the master's dtype the host shard is the master, counted once in ``master_params``).
+        With ``offload_optimizer``, master shards, gradients and optimizer states are in CPU memory; with
+        ``offload_params`` ``params`` is 0.
+
+        Example::
+
+            stats = sharded.memory_stats()
+            device_bytes = stats["params"] + stats["gathered_params"]  # without offload add the other three
+        """
         params = sum(u.persistent_param_bytes() for u in self.units)
+        host = sum(u.host_param_bytes() for u in self.units)
         master = sum(u.master_bytes() for u in self.units)
         gathered = sum(
             u.layout.padded_numel * u.flat.element_size()
@@ -539,7 +563,21 @@ class ShardedModel:
             "gathered_params": gathered,
             "grads": grads,
             "optimizer_states": states,
+            "host_params": host,
         }
+
+
+def check_offload_params(stage: int, offload_params: object) -> None:
+    """Refuse ``offload_params`` that is not a bool, or that is set for stage 1 or 2, saying what to use instead."""
+    if not isinstance(offload_params, bool):
+        raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
+    if offload_params and stage != 3:
+        raise ValueError(
+            f"offload_params=True needs stage 3: stage {stage} keeps the full parameters on every device for its "
+            "forward and backward, so there is no parameter shard to offload. Use offload_optimizer=True to move "
+            "the master shards, gradients and optimizer states to the CPU, or stage 3 (ZeRO3Strategy) to offload "
+            "the parameters as well."
+        )
 
 
 def _local_world_size() -> int | None:

@@ -16,7 +16,10 @@ else does. ``shard`` is the compute-dtype slice that all-gathers read from:
 - with one, stages 1 and 2 keep ``shard`` as a view of ``flat``; stage 3 keeps no compute shard
   (the master is cast on the fly before each gather, so stage 3 holds ``16Ψ/N`` bytes under mixed
   precision as in fp32) unless the master is offloaded, where a persistent compute shard saves a
-  host-to-device copy per gather.
+  host-to-device copy per gather;
+- with ``offload_params`` (stage 3), ``shard`` is in host memory next to the master: the master
+  itself when the dtypes match, else a host tensor in the compute dtype (see [Note: parameter
+  offload]).
 
 - ``reshard_after_forward=False`` (stages 1 and 2): ``flat`` is always allocated; after the
   optimizer step the master shard is copied into ``shard`` and all-gathered in place.
@@ -81,6 +84,44 @@ would stop being queued ahead), and a copy into pageable memory is staged and sy
   flags, which come after these copies on the same stream.
 
 On a CPU build every copy is between host tensors and synchronous: the behaviour is the same.
+
+[Note: parameter offload]
+With ``offload_params`` (stage 3 only; it implies ``offload``, as FSDP2's ``CPUOffloadPolicy`` and
+FSDP1's ``CPUOffload(offload_params=True)`` do: a device-side master would outweigh the compute shard
+it feeds) the compute shard ``shard`` lives in host memory: the master itself when ``dtype`` is the
+master dtype, else a host tensor in ``dtype`` that ``gather_updated_shards`` refreshes from the master
+after each step (a host-to-host cast). The device holds no piece of the unit between its uses; only
+``flat`` while the unit is gathered, freed at ``reshard()`` as without offload.
+
+- Pinned memory. On a CUDA device both host tensors are pinned (page-locked), so that a copy with
+  ``non_blocking=True`` is a DMA transfer queued on the stream and returns at once; from pageable
+  memory the driver stages the data through a pinned bounce buffer and the host waits for it. On a
+  CPU-only build nothing can be pinned and there is no device to copy to: the all-gather reads the
+  host shard directly, and the results are those of the unit without offload.
+- Streams. ``_gather_source`` copies the host shard into a new device *staging* shard with
+  ``non_blocking=True`` on the current stream, then the all-gather reads the staging shard. The
+  collective (on NCCL's own stream) waits for the current stream at its launch, so it sees the
+  copied values; a prefetch (``unshard(async_op=True)``) queues the copy and then the all-gather, in
+  that order, and returns. The staging shard is dropped as soon as the collective is issued: the
+  caching allocator would reuse its block for work queued later on the current stream, but
+  ``ProcessGroupNCCL`` records its input on the collective's stream (or stashes it until the work is
+  waited for), so the block is not handed out again before the all-gather has read it.
+- When the host may write the shard again. A queued copy reads the host shard *later*, when the
+  stream reaches it. The host writes that memory in the optimizer step (the master is the shard when
+  the dtypes match), in ``gather_updated_shards`` (the cast into the compute shard), and when values
+  are loaded or written back (``load_full_flat``, ``take_writes``, ``adopt_rebound_data``). An event is
+  recorded behind each staging copy, and every one of those writers first calls
+  ``wait_host_reads()``, which synchronises the host with the event (free when the copy has landed,
+  which by the optimizer step it has: the gradient flags' ``tolist()`` at the end of backward already
+  waited for the stream behind every gather of the step).
+- Caching allocator. The staging shard is allocated per gather and freed at once; its block returns
+  to the caching allocator's pool and serves the next unit's staging shard, so the device's
+  persistent parameter bytes are 0 and its peak grows by one staging shard per gather in flight (at
+  most ``prefetch + 1``), ``1/N`` of a unit each.
+
+The price is one host-to-device copy of the unit's shard (``1/N`` of the unit, in the compute dtype)
+per gather: two per step with ``reshard_after_forward``, which the all-gather's own traffic (``N - 1``
+times as many bytes) usually hides.
 """
 
 from __future__ import annotations
@@ -128,8 +169,14 @@ class ShardedUnit:
         offload: bool = False,
         full: torch.Tensor | None = None,
         replicate: Comm | None = None,
+        offload_params: bool = False,
     ) -> None:
         check_unit_params(name, params, param_names)
+        if offload_params and not reshard_after_forward:
+            raise ValueError(
+                f"unit {name!r}: offload_params needs a unit that is freed after use (stage 3); stages 1 and 2 keep "
+                "the full parameters on the device"
+            )
         self.name = name
         self.module = module
         self.params = params
@@ -144,9 +191,11 @@ class ShardedUnit:
         # Gradients of half-precision parameters are summed in fp32 unless asked otherwise (accuracy).
         self.reduce_dtype = reduce_dtype or (torch.float32 if self.dtype in _HALF_DTYPES else self.master_dtype)
         self.device = params[0].device if full is None else full.device
-        self.offload = offload
-        self.master_device = torch.device("cpu") if offload else self.device
-        self.separate_master = self.dtype != self.master_dtype or offload
+        self.offload = offload or offload_params  # parameters on the host imply the master there too
+        self.offload_params = offload_params
+        self.master_device = torch.device("cpu") if self.offload else self.device
+        self.separate_master = self.dtype != self.master_dtype or self.offload
+        self._pin = self.offload and self.device.type == "cuda"  # see [Note: offload copies]
 
         if full is None:
             full = self._flatten(self.master_dtype)
@@ -158,14 +207,16 @@ class ShardedUnit:
         start, end = self.layout.shard_range(comm.rank)
         if self.separate_master:
             self.master = full[start:end].to(self.master_device, copy=True)
-            if offload and self.master_device.type == "cpu" and self.device.type == "cuda":
+            if self._pin:
                 self.master = self.master.pin_memory()
             self.flat = full if self.dtype == self.master_dtype else full.to(self.dtype)
             del full
             self.shard: torch.Tensor | None = None
             if not reshard_after_forward:
                 self.shard = self.flat[start:end]
-            elif offload:
+            elif offload_params:  # on the host (see [Note: parameter offload])
+                self.shard = self.master if self.dtype == self.master_dtype else self._host_copy(self.master)
+            elif self.offload:
                 self.shard = self.flat[start:end].clone()
         else:
             self.flat = full
@@ -180,6 +231,7 @@ class ShardedUnit:
         self._versions_when_hidden: list[int] = []
         self._aliases: dict[int, torch.Tensor] = {}  # see ``adopt_rebound_data``
         self._gathering: Pending | None = None  # an all-gather into ``flat`` in flight (prefetch)
+        self._host_read: torch.cuda.Event | None = None  # behind the last copy of the host shard to the device
         # Whether the sharded gradients last reduced hold no inf/NaN on any rank: True/False when known for
         # every rank alike (set by GradReducer), None when unknown (accumulated onto earlier gradients).
         self.grads_finite: bool | None = None
@@ -200,6 +252,12 @@ class ShardedUnit:
         for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
             param.data = flat[offset : offset + numel].view(param.shape)
 
+    def _host_copy(self, source: torch.Tensor) -> torch.Tensor:
+        """``source`` in the compute dtype, in (pinned, on CUDA) host memory: the offloaded compute shard."""
+        host = torch.empty(source.shape, dtype=self.dtype, device=self.master_device, pin_memory=self._pin)
+        host.copy_(source)
+        return host
+
     def _make_shard_param(self, param: nn.Parameter, piece: ParamShard) -> nn.Parameter:
         # Holds the master piece and, as its ``.grad``, the sharded gradient; never itself in an optimizer.
         data = self.master[piece.shard_offset : piece.shard_offset + piece.numel]
@@ -211,10 +269,30 @@ class ShardedUnit:
         return self.state is UnitState.UNSHARDED
 
     def _gather_source(self) -> torch.Tensor:
-        """This rank's compute-dtype shard, the input of every all-gather of the parameters."""
-        if self.shard is not None:
+        """This rank's compute-dtype shard on the compute device, the input of every all-gather of the
+        parameters (a staging copy of the host shard under ``offload_params``: see [Note: parameter offload])."""
+        if self.shard is None:
+            return self.master.to(device=self.device, dtype=self.dtype)
+        if self.shard.device == self.device:
             return self.shard
-        return self.master.to(device=self.device, dtype=self.dtype)
+        staging = self.shard.to(self.device, non_blocking=True)
+        if staging.is_cuda:
+            self._host_read = torch.cuda.Event()
+            self._host_read.record()
+        return staging
+
+    def wait_host_reads(self) -> None:
+        """Before the host writes the host shard (or the master it may be): wait until every copy of it to the
+        device queued so far has read it (see [Note: parameter offload]). Free when there is none."""
+        if self._host_read is not None:
+            self._host_read.synchronize()
+            self._host_read = None
+
+    def _refresh_shard(self) -> None:
+        """Copy the master into the compute shard where that is a tensor of its own."""
+        if self.separate_master and self.shard is not None and self.shard is not self.master:
+            self.wait_host_reads()
+            self.shard.copy_(self.master, non_blocking=self.offload and self.shard.device != self.master.device)
 
     # ------------------------------------------------------------------ parameters
     def unshard(self, async_op: bool = False) -> None:
@@ -305,8 +383,10 @@ class ShardedUnit:
                 if piece.numel:
                     values = new.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
                     target = self.master[piece.shard_offset : piece.shard_offset + piece.numel]
+                    self.wait_host_reads()
                     target.copy_(values)
-                    if self.separate_master and self.shard is not None:  # the compute-dtype shard gathers read
+                    if self.separate_master and self.shard is not None and self.shard is not self.master:
+                        # the compute-dtype shard gathers read
                         self.shard[piece.shard_offset : piece.shard_offset + piece.numel].copy_(target)
             # Under DDP the rebound parameter trains in the memory it was given, so whoever holds that memory (the
             # tensor ``x`` of ``p.data = x``) sees it train: ``refresh_aliases`` keeps that true here.
@@ -339,8 +419,7 @@ class ShardedUnit:
         parameters (stages 1 and 2) or the gathered copy if one is held (stage 3). With ``async_op``,
         return the all-gather in flight (wait on it before the parameters are read)."""
         with torch.no_grad():
-            if self.separate_master and self.shard is not None:
-                self.shard.copy_(self.master, non_blocking=self.offload)
+            self._refresh_shard()
             if self.reshard_after_forward and self.state is not UnitState.UNSHARDED:
                 return None
             self.wait_gather()
@@ -360,9 +439,9 @@ class ShardedUnit:
         start, end = self.layout.shard_range(self.comm.rank)
         self._finish_gather()
         with torch.no_grad():
+            self.wait_host_reads()
             self.master.copy_(full[start:end])
-            if self.separate_master and self.shard is not None:
-                self.shard.copy_(self.master)
+            self._refresh_shard()
             if self.state is UnitState.UNSHARDED:
                 self.flat.copy_(full)
 
@@ -419,6 +498,7 @@ class ShardedUnit:
         compute copies are refreshed from the shards (a collective when the full parameters are kept)."""
         start, end = self.layout.shard_range(self.comm.rank)
         with torch.no_grad():
+            self.wait_host_reads()
             self.master.copy_(full[start:end])
         pending = self.gather_updated_shards()
         if pending is not None:
@@ -500,11 +580,22 @@ class ShardedUnit:
 
     # ------------------------------------------------------------------ accounting
     def persistent_param_bytes(self) -> int:
-        """Bytes of the compute copy this unit keeps while not in use: the full parameters (stages 1 and 2)
-        or this rank's shard (stage 3, where it is also the master unless one is kept apart)."""
+        """Bytes of the compute copy this unit keeps on its device while not in use: the full parameters (stages 1
+        and 2) or this rank's shard (stage 3, where it is also the master unless one is kept apart); 0 with
+        ``offload_params``, whose shard is in host memory (``host_param_bytes``)."""
         if not self.reshard_after_forward:
             return self.layout.padded_numel * self.flat.element_size()
-        return 0 if self.shard is None else self.layout.shard_numel * self.shard.element_size()
+        if self.shard is None or self.offload_params:
+            return 0
+        return self.layout.shard_numel * self.shard.element_size()
+
+    def host_param_bytes(self) -> int:
+        """Bytes of the compute shard kept in host memory apart from the master (``offload_params`` with a
+        compute dtype other than the master's); 0 otherwise, including when the host shard *is* the master,
+        which ``master_bytes`` counts."""
+        if not self.offload_params or self.shard is None or self.shard is self.master:
+            return 0
+        return self.layout.shard_numel * self.shard.element_size()
 
     def master_bytes(self) -> int:
         """Bytes of the master shard where it is stored apart from the compute copy (else 0)."""

@@ -56,6 +56,7 @@ from lightning_zero.engine.control import ControlChannel
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.sharded_model import check_offload_params
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric.precision import check_precision, shard_scaler, skip_nonfinite_step
 from lightning_zero.fabric.wrapper import ShardedForward, StepBracket, ZeROBackwardSyncControl
@@ -83,7 +84,8 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
     the same defaults and the same errors for bad values: ``unit_modules``, ``broadcast_buffers``,
     ``process_group_backend``, ``timeout``, ``checkpoint_format`` (what ``fabric.save`` writes:
     ``"sharded"`` directory or ``"full"`` file), ``nonfinite_grads``, ``collective_checks``,
-    ``param_dtype``, ``reduce_dtype``, ``offload_optimizer``, ``meta_init`` (what
+    ``param_dtype``, ``reduce_dtype``, ``offload_optimizer``, ``offload_params`` (stage 3 only; implies
+    ``offload_optimizer``), ``meta_init`` (what
     ``fabric.init_module()`` does), ``bucket_size_mb``, ``prefetch``, ``reshard_after_forward``,
     ``shard_size`` (hybrid sharding: ``None``, a number of ranks per shard group, or ``"node"``) and
     ``start_method``. ``accelerator``, ``parallel_devices``, ``cluster_environment``,
@@ -108,6 +110,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         param_dtype: torch.dtype | str | None = None,
         reduce_dtype: torch.dtype | str | None = None,
         offload_optimizer: bool = False,
+        offload_params: bool = False,
         meta_init: bool | None = None,
         bucket_size_mb: float | None = None,
         prefetch: int = 1,
@@ -134,6 +137,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             meta_init=meta_init,
         )
         validate_overlap_options(self.stage, bucket_size_mb, prefetch, reshard_after_forward)
+        check_offload_params(self.stage, offload_params)
         check_shard_size(shard_size)
         self.shard_size = shard_size
         super().__init__(
@@ -152,7 +156,8 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         self.collective_checks = collective_checks
         self.param_dtype = parse_dtype("param_dtype", param_dtype)
         self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype)
-        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
+        self.offload_optimizer = offload_optimizer or offload_params  # see [Note: parameter offload] in engine/unit.py
         self.meta_init = self.stage == 3 if meta_init is None else meta_init
         self.bucket_size_mb = default_bucket_size_mb(self.stage, unit_modules, bucket_size_mb)
         self.prefetch = prefetch
@@ -250,6 +255,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             param_dtype=param_dtype,
             reduce_dtype=self.reduce_dtype,
             offload_optimizer=self.offload_optimizer,
+            offload_params=self.offload_params,
             device=self.root_device,
             meta_init=trace,
             prefetch=self.prefetch,

@@ -59,6 +59,7 @@ from lightning_zero.engine.files import find_checkpoint, remove_checkpoint
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.sharded_model import check_offload_params
 from lightning_zero.strategies import agreement, checkpointing
 from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
 from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure
@@ -125,6 +126,12 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         offload_optimizer: Keep the fp32 master shards, sharded gradients and optimizer states in (pinned)
             CPU memory and run the optimizer step there (ZeRO-Offload): only the compute copy of the
             parameters stays on the accelerator.
+        offload_params: Stage 3 only (stages 1 and 2 refuse it at construction): keep the parameter shards in
+            (pinned) CPU memory too, copied to the device each time their unit is gathered, so that the device
+            holds only the units in flight (DeepSpeed's ``offload_param``, FSDP2's ``CPUOffloadPolicy``).
+            Implies ``offload_optimizer`` (``strategy.offload_optimizer`` then reads ``True``). Costs one
+            host-to-device copy of each unit's shard per gather; results are the same as without it. Example:
+            ``ZeRO3Strategy(offload_params=True)``. See ``docs/memory.md``.
         meta_init: Build the layers of ``LightningModule.configure_model`` on the ``meta`` device and create
             them one unit at a time, already sharded, with each module's ``reset_parameters()``, so that
             the full model never exists on one rank. Default: ``True`` for stage 3, ``False`` otherwise.
@@ -170,6 +177,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         param_dtype: torch.dtype | str | None = None,
         reduce_dtype: torch.dtype | str | None = None,
         offload_optimizer: bool = False,
+        offload_params: bool = False,
         meta_init: bool | None = None,
         bucket_size_mb: float | None = None,
         prefetch: int = 1,
@@ -196,6 +204,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             meta_init=meta_init,
         )
         validate_overlap_options(self.stage, bucket_size_mb, prefetch, reshard_after_forward)
+        check_offload_params(self.stage, offload_params)
         check_shard_size(shard_size)
         self.shard_size = shard_size
         self.bucket_size_mb = default_bucket_size_mb(self.stage, unit_modules, bucket_size_mb)
@@ -203,7 +212,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = parse_dtype("param_dtype", param_dtype)
         self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype)
-        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
+        self.offload_optimizer = offload_optimizer or offload_params  # see [Note: parameter offload] in engine/unit.py
         self.meta_init = self.stage == 3 if meta_init is None else meta_init
         super().__init__(
             accelerator=accelerator,
@@ -335,6 +345,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             param_dtype=self.param_dtype or precision.default_param_dtype,
             reduce_dtype=self.reduce_dtype,
             offload_optimizer=self.offload_optimizer,
+            offload_params=self.offload_params,
             device=self.root_device,
             meta_init=self._meta_init,
             prefetch=self.prefetch,

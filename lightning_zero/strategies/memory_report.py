@@ -31,9 +31,9 @@ _STATES_PER_ELEMENT = {
 class MemoryReport:
     """What ``estimate_memory`` predicts for this model and run, and what this rank holds now.
 
-    ``measured`` is ``ShardedModel.memory_stats()``: parameters (compute copy), master shards, gathered
-    parameters, sharded gradients and optimizer states, in bytes. Optimizer states exist only after
-    the first optimizer step.
+    ``measured`` is ``ShardedModel.memory_stats()``: parameters (compute copy on the device), master
+    shards, gathered parameters, sharded gradients, optimizer states and host parameters
+    (``offload_params``), in bytes. Optimizer states exist only after the first optimizer step.
 
     Example::
 
@@ -56,6 +56,8 @@ class MemoryReport:
             ("sharded gradients", self.measured["grads"], where.grads if self.row.stage != 1 else None),
             ("optimizer states", self.measured["optimizer_states"], where.optimizer_states),
         ]
+        if self.estimate.offload_params:  # the compute shards are on the host (the master itself in fp32)
+            pairs.insert(1, ("host parameters", self.measured.get("host_params", 0), self.row.cpu.params))
         lines = [f"rank {self.rank} now, measured vs predicted ({self.row.label}):"]
         for name, measured, predicted in pairs:
             expected = "-" if predicted is None else format_bytes(predicted)
@@ -81,6 +83,7 @@ def memory_report(strategy: ZeROStrategy) -> MemoryReport:
         nodes=1 if hybrid else strategy.num_nodes,
         precision=precision.precision,
         offload_optimizer=strategy.offload_optimizer,
+        offload_params=sharded.offload_params,
         optimizer_state_bytes=_optimizer_state_bytes(optimizers, unit.master_dtype),
         reduce_dtype_bytes=unit.reduce_dtype.itemsize,
         param_dtype_bytes=unit.dtype.itemsize if precision.is_mixed else None,

@@ -20,6 +20,8 @@ class ZeRO3Strategy(ZeROStrategy):
     ``nn.Parameter``s, weights tied across submodules) form the root unit, gathered for the
     whole step. Evaluation and prediction gather the same way under ``no_grad``. Memory per rank
     with Adam in fp32: ``16Ψ/N`` bytes plus the gathered units; communication ``3Ψ`` per step.
+    ``offload_params=True`` (this stage only) keeps the shards in CPU memory as well, with the optimizer
+    (``offload_optimizer`` is implied): the device then holds only the units being gathered.
 
     Example::
 
@@ -28,6 +30,8 @@ class ZeRO3Strategy(ZeROStrategy):
 
         trainer = L.Trainer(strategy=ZeRO3Strategy(unit_modules=["Block"]), accelerator="cpu", devices=2)
         trainer.fit(model)                                    # or strategy="zero3"
+
+        ZeRO3Strategy(offload_params=True)                    # parameters and optimizer in CPU memory
 
     See ``ZeROStrategy`` for the arguments.
     """

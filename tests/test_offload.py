@@ -1,0 +1,233 @@
+"""Parameter offload (``offload_params=True``, stage 3): the shards live in host memory, nothing changes.
+
+- Through a real ``Trainer`` on two CPU processes, ``ZeRO3Strategy(offload_params=True)`` gives bitwise the
+  losses and final parameters of ``ZeRO3Strategy()`` (and so of ``DDPStrategy``, which today's stage 3
+  matches bitwise at two ranks), in ``"32-true"``, ``"bf16-mixed"`` and ``"bf16-true"``, and under hybrid
+  sharding (``shard_size=1``).
+- Between steps no unit keeps a piece of its parameters on the compute device: the compute shard is a host
+  tensor (the master itself when the dtypes match), the gathered buffer is freed, and ``memory_stats()`` /
+  ``memory_report()`` count the parameters on the host (``params`` 0, ``host_params``).
+- On CUDA (skipped elsewhere): the host shards are pinned and every host-to-device copy is non-blocking.
+- Stages 1 and 2 refuse ``offload_params`` at construction, saying why and what to use instead.
+- A checkpoint saved with offload resumes without it, and the reverse, to the same losses and parameters.
+
+On a CPU build "host" and "device" are the same memory: these tests prove the results and where each
+tensor is meant to live (see [Note: parameter offload] in ``engine/unit.py``), not a saving.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+
+import lightning_zero.fabric as zero_fabric
+from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
+from lightning_zero.engine import Comm, ShardedModel
+from lightning_zero.engine.unit import ShardedUnit
+from lightning_zero.estimate import estimate_memory
+from tests.distributed import spawn
+from tests.models import ParityNet, quiet_trainer
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+def _check_offloaded(unit: ShardedUnit, where: str) -> None:
+    """The unit keeps no piece of its parameters on the compute device: only host shards."""
+    assert unit.offload_params and unit.offload, where
+    assert unit.shard is not None and unit.shard.device == unit.master_device == torch.device("cpu"), where
+    assert unit.shard.dtype == unit.dtype, where
+    if unit.dtype == unit.master_dtype:
+        assert unit.shard is unit.master, f"{where}: in the master dtype the host shard is the master itself"
+    else:
+        assert _storage(unit.shard) != _storage(unit.master), where
+    if not unit.is_unsharded:
+        assert unit.flat.untyped_storage().nbytes() == 0, f"{where}: the gathered buffer must be freed"
+    assert _storage(unit.shard) != _storage(unit.flat) or unit.flat.untyped_storage().nbytes() == 0, where
+    if unit.device.type == "cuda":
+        assert unit.shard.is_pinned() and unit.master.is_pinned(), where
+
+
+class Inspect(Callback):
+    """After every training batch (between steps): where each unit's shards are, and the memory accounting."""
+
+    def __init__(self) -> None:
+        self.checked = 0
+        self.memory: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if not getattr(trainer.strategy, "offload_params", False):
+            return
+        sharded = trainer.strategy.sharded_model
+        for unit in sharded.units:
+            _check_offloaded(unit, f"unit {unit.name!r} after step {trainer.global_step}")
+        self.checked += 1
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not getattr(trainer.strategy, "offload_params", False):
+            return
+        sharded = trainer.strategy.sharded_model
+        self.memory = dict(sharded.memory_stats())
+        self.memory["expected_host"] = sum(
+            u.layout.shard_numel * u.shard.element_size() for u in sharded.units if u.shard is not u.master
+        )
+        self.memory["report"] = trainer.strategy.memory_report()
+
+
+def _fit(strategy: Any, precision: str) -> tuple[list[float], dict[str, torch.Tensor], Inspect]:
+    L.seed_everything(0)
+    model = ParityNet(optimizer="adamw", param_groups=True)
+    inspect = Inspect()
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_steps=4, precision=precision, callbacks=[inspect])
+    trainer.fit(model)
+    return model.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, inspect
+
+
+def _assert_same(got: tuple, want: tuple, where: str) -> None:
+    assert got[0] == want[0], f"{where}: losses {got[0]} != {want[0]}"
+    for key, value in want[1].items():
+        assert torch.equal(got[1][key], value), f"{where}: {key}"
+
+
+def _trainer_parity(rank: int, world_size: int) -> None:
+    cases: list[tuple[str, str, dict[str, Any]]] = [
+        ("32-true", "ddp", {}),
+        ("bf16-mixed", "", {}),
+        ("bf16-true", "", {}),
+        ("32-true", "", {"shard_size": 1}),  # hybrid: shard groups of one rank, replicated across both
+    ]
+    for precision, reference, options in cases:
+        where = f"{precision} {options}"
+        plain = _fit(ZeRO3Strategy(**options), precision)
+        offloaded = _fit(ZeRO3Strategy(offload_params=True, **options), precision)
+        _assert_same(offloaded, plain, where)
+        if reference == "ddp":
+            _assert_same(offloaded, _fit(DDPStrategy(), precision), f"{where} against DDP")
+        inspect = offloaded[2]
+        assert inspect.checked == 4, where
+        memory = inspect.memory
+        assert memory["params"] == 0, f"{where}: no parameter bytes may stay on the device"
+        assert memory["gathered_params"] == 0, where
+        assert memory["host_params"] == memory["expected_host"], where
+        assert (memory["host_params"] > 0) == (precision == "bf16-mixed"), where  # a host shard of its own
+        assert memory["master_params"] > 0, where
+        report = memory["report"]
+        assert report.estimate.offload_params and report.row.device.params == 0, where
+        predicted = report.row.cpu.params
+        assert abs(memory["host_params"] - predicted) <= 0.03 * max(predicted, 1), where
+        assert "host parameters" in report.comparison(), where
+
+
+def test_offloaded_parameters_train_exactly_as_without() -> None:
+    spawn(_trainer_parity, world_size=2, timeout=300)
+
+
+def _resume_across_offload(rank: int, world_size: int, root: str) -> None:
+    from tests.test_checkpoints import _run
+
+    L.seed_everything(0)
+    straight = _run(ZeRO3Strategy(), world_size)
+    for saved, resumed in ((True, False), (False, True)):
+        directory = f"{root}/saved-offload-{saved}"
+        _run(ZeRO3Strategy(offload_params=saved), world_size, directory=directory)
+        model = _run(ZeRO3Strategy(offload_params=resumed), world_size, ckpt_path=f"{directory}/epoch0.ckpt")
+        where = f"saved with offload_params={saved}, resumed with offload_params={resumed}"
+        assert model.losses == straight.losses[8:], where
+        for key, value in straight.state_dict().items():
+            assert torch.equal(model.state_dict()[key], value), f"{where}: {key}"
+
+
+def test_checkpoints_move_between_offloaded_and_device_parameters(tmp_path: Path) -> None:
+    spawn(_resume_across_offload, world_size=2, timeout=300, root=str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [ZeRO1Strategy, ZeRO2Strategy, zero_fabric.ZeRO1Strategy, zero_fabric.ZeRO2Strategy],
+    ids=["zero1", "zero2", "fabric-zero1", "fabric-zero2"],
+)
+def test_stages_1_and_2_refuse_offload_params(make: Any) -> None:
+    with pytest.raises(ValueError, match="offload_params=True needs stage 3") as error:
+        make(offload_params=True)
+    assert "offload_optimizer=True" in str(error.value)  # what to use instead
+
+
+def test_offload_params_implies_offload_optimizer_and_is_a_bool() -> None:
+    for make in (ZeRO3Strategy, zero_fabric.ZeRO3Strategy):
+        strategy = make(offload_params=True)
+        assert strategy.offload_params and strategy.offload_optimizer
+        assert not make().offload_params
+        with pytest.raises(TypeError, match="offload_params must be True or False"):
+            make(offload_params="yes")
+    with pytest.raises(ValueError, match="needs stage 3"):
+        ShardedModel(nn.Linear(2, 2), stage=2, comm=Comm(), offload_params=True)
+
+
+def test_estimate_puts_stage_3_parameters_on_the_host() -> None:
+    for precision, host_bytes in (("32-true", 0), ("bf16-mixed", 2)):
+        est = estimate_memory(8_000, devices=2, precision=precision, offload_params=True)
+        row = est.row("zero3")
+        assert est.offload_optimizer and row.device.total == 0
+        assert row.cpu.params == host_bytes * 4_000  # fp32: the host shard is the master, counted once
+        assert est.row("zero2").device.params > 0  # stages 1 and 2 keep their parameters
+        assert "stage 3 parameters offloaded to CPU" in est.table()
+
+
+def _one_rank_training(device: str, offload_params: bool, steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
+    """A world of one (no process group: collectives are copies), on ``device``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    sharded = ShardedModel(model, stage=3, comm=Comm(), device=torch.device(device), offload_params=offload_params)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sharded.bind_optimizer(optimizer)
+    data = torch.randn(steps, 5, 8, generator=torch.Generator().manual_seed(1)).to(device)
+    losses = []
+    for x in data:
+        with sharded.step_context():
+            loss = model(x).square().mean()
+            loss.backward()
+        optimizer.step()
+        sharded.after_optimizer_step(optimizer)
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if offload_params:
+            for unit in sharded.units:
+                _check_offloaded(unit, f"unit {unit.name!r} on {device}")
+            assert sharded.memory_stats()["params"] == 0
+    with sharded.gathered_parameters(writable=False):
+        final = [p.detach().to("cpu", copy=True) for p in model.parameters()]
+    return losses, final
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_host_shards_are_copied_in_without_blocking(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = _one_rank_training(device, offload_params=False)
+    copies: list[bool] = []
+    to = torch.Tensor.to
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        target = args[0] if args else kwargs.get("device")
+        if self.device.type == "cpu" and isinstance(target, torch.device) and target.type == "cuda":
+            copies.append(bool(kwargs.get("non_blocking", False)) and self.is_pinned())
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    offloaded = _one_rank_training(device, offload_params=True)
+    monkeypatch.undo()
+    assert offloaded[0] == plain[0]
+    for got, want in zip(offloaded[1], plain[1]):
+        assert torch.equal(got, want)
+    if device == "cuda":
+        # Every gather (forward and backward of each step) copied a pinned host shard without blocking.
+        assert copies and all(copies), copies
