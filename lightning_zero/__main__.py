@@ -143,6 +143,9 @@ def _add_estimate_parser(commands: Any) -> None:
         "--offload", action="store_true", help="master, sharded gradients and optimizer states in CPU memory"
     )
     estimate.add_argument(
+        "--offload-params", action="store_true", help="stage 3's parameter shards in CPU memory too (implies --offload)"
+    )
+    estimate.add_argument(
         "--bandwidth", type=float, help="bus bandwidth per rank in GB/s (default: by topology, stated in the output)"
     )
     estimate.add_argument("--memory", type=_argument(parse_bytes), help="memory per device, e.g. 80GB or 80GiB")
@@ -178,6 +181,7 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 memory_per_device=args.memory,
                 prefetch=args.prefetch,
                 largest_unit_params=args.largest_unit,
+                offload_params=args.offload_params,
             )
             for devices in args.devices
         ]

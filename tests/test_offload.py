@@ -17,6 +17,7 @@ tensor is meant to live (see [Note: parameter offload] in ``engine/unit.py``), n
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,15 @@ def test_estimate_puts_stage_3_parameters_on_the_host() -> None:
         assert row.cpu.params == host_bytes * 4_000  # fp32: the host shard is the master, counted once
         assert est.row("zero2").device.params > 0  # stages 1 and 2 keep their parameters
         assert "stage 3 parameters offloaded to CPU" in est.table()
+
+
+def test_estimate_cli_offload_params(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_zero.__main__ import main
+
+    assert main(["estimate", "--params", "7B", "--devices", "8", "--offload-params", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["offload_params"] and data["offload_optimizer"]
+    assert data["rows"][3]["device"]["total"] == 0
 
 
 def _one_rank_training(device: str, offload_params: bool, steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
