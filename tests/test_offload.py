@@ -9,7 +9,8 @@
   ``memory_report()`` count the parameters on the host (``params`` 0, ``host_params``).
 - On CUDA (skipped elsewhere): the host shards are pinned and every host-to-device copy is non-blocking.
 - Stages 1 and 2 refuse ``offload_params`` at construction, saying why and what to use instead.
-- A checkpoint saved with offload resumes without it, and the reverse, to the same losses and parameters.
+- A checkpoint saved with offload resumes without it, and the reverse (a full file both ways, a sharded
+  directory one way), to the losses and parameters of the uninterrupted run.
 
 On a CPU build "host" and "device" are the same memory: these tests prove the results and where each
 tensor is meant to live (see [Note: parameter offload] in ``engine/unit.py``), not a saving.
@@ -136,11 +137,13 @@ def _resume_across_offload(rank: int, world_size: int, root: str) -> None:
 
     L.seed_everything(0)
     straight = _run(ZeRO3Strategy(), world_size)
-    for saved, resumed in ((True, False), (False, True)):
-        directory = f"{root}/saved-offload-{saved}"
-        _run(ZeRO3Strategy(offload_params=saved), world_size, directory=directory)
+    cases = [(True, False, "full"), (False, True, "full"), (True, False, "sharded")]
+    for saved, resumed, checkpoint_format in cases:
+        directory = f"{root}/saved-offload-{saved}-{checkpoint_format}"
+        save = ZeRO3Strategy(offload_params=saved, checkpoint_format=checkpoint_format)
+        _run(save, world_size, directory=directory)
         model = _run(ZeRO3Strategy(offload_params=resumed), world_size, ckpt_path=f"{directory}/epoch0.ckpt")
-        where = f"saved with offload_params={saved}, resumed with offload_params={resumed}"
+        where = f"{checkpoint_format} checkpoint saved with offload_params={saved}, resumed with {resumed}"
         assert model.losses == straight.losses[8:], where
         for key, value in straight.state_dict().items():
             assert torch.equal(model.state_dict()[key], value), f"{where}: {key}"

@@ -289,6 +289,8 @@ def load_sharded(
         wanted = _optimizer_target(model, optimizer, index, saved, mesh)
         optimizer_targets.append(wanted)
         target.update({k: v for k, (v, _) in wanted.items() if v is not None})
+    for unit in model.units:  # the load writes the masters: offloaded shards among them (see unit.py)
+        unit.wait_host_reads()
     _dcp_load(target, reader)
     for unit in model.units:
         unit.gather_updated_shards()

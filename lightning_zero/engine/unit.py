@@ -288,11 +288,12 @@ class ShardedUnit:
             self._host_read.synchronize()
             self._host_read = None
 
-    def _refresh_shard(self) -> None:
-        """Copy the master into the compute shard where that is a tensor of its own."""
+    def _refresh_shard(self, non_blocking: bool = False) -> None:
+        """Copy the master into the compute shard where that is a tensor of its own (``non_blocking`` for a
+        copy from the pinned master to the device: see [Note: offload copies])."""
         if self.separate_master and self.shard is not None and self.shard is not self.master:
             self.wait_host_reads()
-            self.shard.copy_(self.master, non_blocking=self.offload and self.shard.device != self.master.device)
+            self.shard.copy_(self.master, non_blocking=non_blocking and self.shard.device != self.master.device)
 
     # ------------------------------------------------------------------ parameters
     def unshard(self, async_op: bool = False) -> None:
@@ -419,7 +420,7 @@ class ShardedUnit:
         parameters (stages 1 and 2) or the gathered copy if one is held (stage 3). With ``async_op``,
         return the all-gather in flight (wait on it before the parameters are read)."""
         with torch.no_grad():
-            self._refresh_shard()
+            self._refresh_shard(non_blocking=self.offload)
             if self.reshard_after_forward and self.state is not UnitState.UNSHARDED:
                 return None
             self.wait_gather()
