@@ -3,7 +3,7 @@
 - Through a real ``Trainer`` on two CPU processes, ``ZeRO3Strategy(offload_params=True)`` gives bitwise the
   losses and final parameters of ``ZeRO3Strategy()`` (and so of ``DDPStrategy``, which today's stage 3
   matches bitwise at two ranks), in ``"32-true"``, ``"bf16-mixed"`` and ``"bf16-true"``, and under hybrid
-  sharding (``shard_size=1``).
+  sharding (``shard_size=1``); the Fabric ``ZeRO3Strategy`` likewise.
 - Between steps no unit keeps a piece of its parameters on the compute device: the compute shard is a host
   tensor (the master itself when the dtypes match), the gathered buffer is freed, and ``memory_stats()`` /
   ``memory_report()`` count the parameters on the host (``params`` 0, ``host_params``).
@@ -126,6 +126,32 @@ def _trainer_parity(rank: int, world_size: int) -> None:
         predicted = report.row.cpu.params
         assert abs(memory["host_params"] - predicted) <= 0.03 * max(predicted, 1), where
         assert "host parameters" in report.comparison(), where
+
+    _fabric_parity()
+
+
+def _fabric_parity() -> None:
+    """The loop of ``examples/fabric_train_gpt.py`` (gradient accumulation, clipping by value) under the Fabric
+    ``ZeRO3Strategy`` with and without ``offload_params``."""
+    from tests.test_fabric import _example, _fabric
+
+    example = _example()
+    runs = []
+    for offload_params in (False, True):
+        fabric = _fabric(zero_fabric.ZeRO3Strategy(offload_params=offload_params), 2)
+        result = example.train(
+            fabric, example.LoopArgs(steps=3, max_norm=None, clip_val=0.02), *example.corpus_tokens()
+        )
+        if offload_params:
+            for unit in fabric.strategy.sharded_model.units:
+                _check_offloaded(unit, f"Fabric: unit {unit.name!r}")
+            assert fabric.strategy.sharded_model.memory_stats()["params"] == 0
+        fabric.strategy.teardown()
+        runs.append(result)
+    plain, offloaded = runs
+    assert offloaded["losses"] == plain["losses"]
+    for key, value in plain["state"].items():
+        assert torch.equal(offloaded["state"][key], value), f"Fabric: {key}"
 
 
 def test_offloaded_parameters_train_exactly_as_without() -> None:
