@@ -3,7 +3,8 @@
 - Through a real ``Trainer`` on two CPU processes, ``ZeRO3Strategy(offload_params=True)`` gives bitwise the
   losses and final parameters of ``ZeRO3Strategy()`` (and so of ``DDPStrategy``, which today's stage 3
   matches bitwise at two ranks), in ``"32-true"``, ``"bf16-mixed"`` and ``"bf16-true"``, and under hybrid
-  sharding (``shard_size=1``); the Fabric ``ZeRO3Strategy`` likewise.
+  sharding (``shard_size=1``), and for a model created already sharded (``meta_init``); the Fabric
+  ``ZeRO3Strategy`` likewise.
 - Between steps no unit keeps a piece of its parameters on the compute device: the compute shard is a host
   tensor (the master itself when the dtypes match), the gathered buffer is freed, and ``memory_stats()`` /
   ``memory_report()`` count the parameters on the host (``params`` 0, ``host_params``).
@@ -19,6 +20,8 @@ tensor is meant to live (see [Note: parameter offload] in ``engine/unit.py``), n
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +87,19 @@ class Inspect(Callback):
         self.memory["report"] = trainer.strategy.memory_report()
 
 
-def _fit(strategy: Any, precision: str) -> tuple[list[float], dict[str, torch.Tensor], Inspect]:
+def _parity_net() -> L.LightningModule:
+    return ParityNet(optimizer="adamw", param_groups=True)
+
+
+def _late_net() -> L.LightningModule:  # layers built in configure_model: created already sharded (meta_init)
+    from tests.test_big_model import LateNet
+
+    return LateNet()
+
+
+def _fit(strategy: Any, precision: str, make: Callable[[], Any] = _parity_net) -> tuple[list, dict, Inspect]:
     L.seed_everything(0)
-    model = ParityNet(optimizer="adamw", param_groups=True)
+    model = make()
     inspect = Inspect()
     trainer = quiet_trainer(strategy=strategy, devices=2, max_steps=4, precision=precision, callbacks=[inspect])
     trainer.fit(model)
@@ -100,19 +113,20 @@ def _assert_same(got: tuple, want: tuple, where: str) -> None:
 
 
 def _trainer_parity(rank: int, world_size: int) -> None:
-    cases: list[tuple[str, str, dict[str, Any]]] = [
-        ("32-true", "ddp", {}),
-        ("bf16-mixed", "", {}),
-        ("bf16-true", "", {}),
-        ("32-true", "", {"shard_size": 1}),  # hybrid: shard groups of one rank, replicated across both
+    cases: list[tuple[str, str, dict[str, Any], Callable[[], Any]]] = [
+        ("32-true", "ddp", {}, _parity_net),
+        ("bf16-mixed", "", {}, _parity_net),
+        ("bf16-true", "", {}, _parity_net),
+        ("32-true", "", {"shard_size": 1}, _parity_net),  # hybrid: shard groups of one rank, replicated across both
+        ("bf16-mixed", "", {}, _late_net),  # units created already sharded, from the meta device
     ]
-    for precision, reference, options in cases:
-        where = f"{precision} {options}"
-        plain = _fit(ZeRO3Strategy(**options), precision)
-        offloaded = _fit(ZeRO3Strategy(offload_params=True, **options), precision)
+    for precision, reference, options, make in cases:
+        where = f"{precision} {options} {make.__name__}"
+        plain = _fit(ZeRO3Strategy(**options), precision, make)
+        offloaded = _fit(ZeRO3Strategy(offload_params=True, **options), precision, make)
         _assert_same(offloaded, plain, where)
         if reference == "ddp":
-            _assert_same(offloaded, _fit(DDPStrategy(), precision), f"{where} against DDP")
+            _assert_same(offloaded, _fit(DDPStrategy(), precision, make), f"{where} against DDP")
         inspect = offloaded[2]
         assert inspect.checked == 4, where
         memory = inspect.memory
@@ -220,8 +234,10 @@ def test_estimate_cli_offload_params(capsys: pytest.CaptureFixture[str]) -> None
     assert data["rows"][3]["device"]["total"] == 0
 
 
-def _one_rank_training(device: str, offload_params: bool, steps: int = 3) -> tuple[list[float], list[torch.Tensor]]:
-    """A world of one (no process group: collectives are copies), on ``device``."""
+def _one_rank_training(
+    device: str, offload_params: bool, watch: Callable[[], AbstractContextManager] = nullcontext, steps: int = 3
+) -> tuple[list[float], list[torch.Tensor]]:
+    """A world of one (no process group: collectives are copies), on ``device``; ``watch()`` around the steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
     sharded = ShardedModel(model, stage=3, comm=Comm(), device=torch.device(device), offload_params=offload_params)
@@ -229,18 +245,19 @@ def _one_rank_training(device: str, offload_params: bool, steps: int = 3) -> tup
     sharded.bind_optimizer(optimizer)
     data = torch.randn(steps, 5, 8, generator=torch.Generator().manual_seed(1)).to(device)
     losses = []
-    for x in data:
-        with sharded.step_context():
-            loss = model(x).square().mean()
-            loss.backward()
-        optimizer.step()
-        sharded.after_optimizer_step(optimizer)
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        if offload_params:
-            for unit in sharded.units:
-                _check_offloaded(unit, f"unit {unit.name!r} on {device}")
-            assert sharded.memory_stats()["params"] == 0
+    with watch():
+        for x in data:
+            with sharded.step_context():
+                loss = model(x).square().mean()
+                loss.backward()
+            optimizer.step()
+            sharded.after_optimizer_step(optimizer)
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            if offload_params:
+                for unit in sharded.units:
+                    _check_offloaded(unit, f"unit {unit.name!r} on {device}")
+                assert sharded.memory_stats()["params"] == 0
     with sharded.gathered_parameters(writable=False):
         final = [p.detach().to("cpu", copy=True) for p in model.parameters()]
     return losses, final
@@ -261,9 +278,13 @@ def test_host_shards_are_copied_in_without_blocking(device: str, monkeypatch: py
             copies.append(bool(kwargs.get("non_blocking", False)) and self.is_pinned())
         return to(self, *args, **kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "to", spy)
-    offloaded = _one_rank_training(device, offload_params=True)
-    monkeypatch.undo()
+    @contextmanager
+    def watch() -> Iterator[None]:  # the training steps only (not the final gather, a blocking read)
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "to", spy)
+            yield
+
+    offloaded = _one_rank_training(device, offload_params=True, watch=watch)
     assert offloaded[0] == plain[0]
     for got, want in zip(offloaded[1], plain[1]):
         assert torch.equal(got, want)
