@@ -568,7 +568,13 @@ class ShardedModel:
 
 
 def check_offload_params(stage: int, offload_params: object) -> None:
-    """Refuse ``offload_params`` that is not a bool, or that is set for stage 1 or 2, saying what to use instead."""
+    """Refuse ``offload_params`` that is not a bool, or that is set for stage 1 or 2, saying what to use instead.
+
+    Example::
+
+        check_offload_params(3, True)   # fine
+        check_offload_params(2, True)   # ValueError: offload_params=True needs stage 3: ...
+    """
     if not isinstance(offload_params, bool):
         raise TypeError(f"offload_params must be True or False, got {offload_params!r}")
     if offload_params and stage != 3:

@@ -153,6 +153,9 @@ class ShardedUnit:
         unit.unshard()            # all-gather in bfloat16: layer.weight is usable
         unit.reshard()            # free the gathered storage again
         unit.shard_params         # fp32 master pieces, stepped by the optimizer
+
+    With ``offload_params=True`` (stage 3) the shards stay in host memory and each ``unshard()`` copies this
+    rank's shard to the device first (see [Note: parameter offload]).
     """
 
     def __init__(
