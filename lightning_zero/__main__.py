@@ -120,6 +120,14 @@ def _device_counts(text: str) -> list[int]:
     return counts
 
 
+def _shard_size(text: str) -> int | str:
+    if text.strip() == "node":
+        return "node"
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"expected a positive number of ranks or 'node', got {text!r}")
+    return int(text)
+
+
 def _add_estimate_parser(commands: Any) -> None:
     from lightning_zero.estimate import PRECISIONS, parse_bytes, parse_count
 
@@ -143,11 +151,27 @@ def _add_estimate_parser(commands: Any) -> None:
         "--offload", action="store_true", help="master, sharded gradients and optimizer states in CPU memory"
     )
     estimate.add_argument(
-        "--offload-params", action="store_true", help="stage 3's parameter shards in CPU memory too (implies --offload)"
+        "--offload-params",
+        action="store_true",
+        help="stage 3: parameter shards in CPU memory too, copied to the device at each gather (implies --offload)",
     )
     estimate.add_argument(
-        "--bandwidth", type=float, help="bus bandwidth per rank in GB/s (default: by topology, stated in the output)"
+        "--shard-size",
+        type=_argument(_shard_size),
+        help="ranks per shard group (hybrid sharding): a number, or 'node' for the devices of one node (default: all)",
     )
+    estimate.add_argument(
+        "--bandwidth",
+        type=float,
+        help="bus bandwidth per rank in GB/s for every collective (default: by level, stated in the output)",
+    )
+    estimate.add_argument(
+        "--intra-node-bandwidth", type=float, help="GB/s of collectives inside one node (default: 200, NVLink class)"
+    )
+    estimate.add_argument(
+        "--inter-node-bandwidth", type=float, help="GB/s of collectives across nodes (default: 25, one 200 Gb/s link)"
+    )
+    estimate.add_argument("--pcie-bandwidth", type=float, help="GB/s of host-device copies (offload; default: 25)")
     estimate.add_argument("--memory", type=_argument(parse_bytes), help="memory per device, e.g. 80GB or 80GiB")
     estimate.add_argument(
         "--optimizer-state-bytes", type=float, help="optimizer state per parameter (default: 2 x master, Adam)"
@@ -178,10 +202,14 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 reduce_dtype_bytes=args.reduce_dtype_bytes,
                 param_dtype_bytes=args.param_dtype_bytes,
                 bandwidth_gbps=args.bandwidth,
+                intra_node_gbps=args.intra_node_bandwidth,
+                inter_node_gbps=args.inter_node_bandwidth,
+                pcie_gbps=args.pcie_bandwidth,
+                shard_size=args.shard_size,
+                offload_params=args.offload_params,
                 memory_per_device=args.memory,
                 prefetch=args.prefetch,
                 largest_unit_params=args.largest_unit,
-                offload_params=args.offload_params,
             )
             for devices in args.devices
         ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, NamedTuple
@@ -33,7 +33,8 @@ from torch import nn
 
 from lightning_zero.engine.grouping import module_class_policy, plan_units
 from lightning_zero.engine.layout import ShardLayout
-from lightning_zero.estimate_text import format_bytes, render
+from lightning_zero.engine.mesh import resolve_shard_size
+from lightning_zero.estimate_text import format_bytes, format_seconds, render
 
 PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}  # as Lightning reads them
@@ -42,6 +43,8 @@ _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}  
 INTRA_NODE_GBPS = 200.0
 #: Default bus bandwidth (GB/s) across nodes: one 200 Gb/s InfiniBand (HDR) or RoCE link per GPU.
 INTER_NODE_GBPS = 25.0
+#: Default host-device bandwidth (GB/s) per device: PCIe Gen4 x16 in practice (Gen5 reaches about 50).
+PCIE_GBPS = 25.0
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _BYTE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -123,11 +126,18 @@ class StrategyEstimate:
 
     strategy: str  # what to pass as Trainer(strategy=...): "ddp", "zero1", "zero2" or "zero3"
     device: StateBytes  # persistent, on the device
-    cpu: StateBytes  # persistent, in CPU memory (offload_optimizer)
+    cpu: StateBytes  # persistent, in CPU memory (offload_optimizer, offload_params)
     gathered: float | None  # stage 3's transient gathered units (None: not known, 0: no such buffers)
-    comm_bytes: float  # sent per rank per optimizer step
-    comm_seconds: float
+    comm_bytes: float  # sent per rank per optimizer step (intra_node_bytes + inter_node_bytes)
+    comm_seconds: float  # network time per step: each level's bytes at its bandwidth
     fits: bool | None  # device_peak <= memory_per_device (None: no memory_per_device given)
+    intra_node_bytes: float = 0.0  # of comm_bytes: in collectives whose group stays inside one node
+    inter_node_bytes: float = 0.0  # of comm_bytes: in collectives whose group spans nodes
+    host_bytes: float = 0.0  # copied between the device and CPU memory per step (offload)
+    host_seconds: float = 0.0  # those copies at the host-device bandwidth
+    shard_size: int | None = None  # ranks per shard group (None: DDP, nothing sharded)
+    offload_optimizer: bool = False
+    offload_params: bool = False
 
     @property
     def stage(self) -> int | None:
@@ -136,6 +146,33 @@ class StrategyEstimate:
     @property
     def label(self) -> str:
         return "DDP" if self.stage is None else f"stage {self.stage}"
+
+    @property
+    def transfer_seconds(self) -> float:
+        """Network and host-device time per step, without overlap (what the recommendation minimises)."""
+        return self.comm_seconds + self.host_seconds
+
+    def options(self, world_size: int) -> dict[str, Any]:
+        """The strategy's arguments this row assumes beyond the defaults (``ZeRO3Strategy(**options)``)."""
+        options: dict[str, Any] = {}
+        if self.shard_size is not None and self.shard_size != world_size:
+            options["shard_size"] = self.shard_size
+        if self.offload_optimizer:
+            options["offload_optimizer"] = True
+        if self.offload_params:
+            options["offload_params"] = True
+        return options
+
+    def describe(self, world_size: int) -> str:
+        """``stage 3 (ZeRO3Strategy(shard_size=8, offload_optimizer=True))`` or ``DDP (strategy='ddp')``."""
+        if self.stage is None:
+            return "DDP (strategy='ddp')"
+        options = ", ".join(f"{k}={v!r}" for k, v in self.options(world_size).items())
+        return (
+            f"{self.label} (ZeRO{self.stage}Strategy({options}))"
+            if options
+            else (f"{self.label} (strategy={self.strategy!r})")
+        )
 
     @property
     def device_peak(self) -> float:
@@ -161,7 +198,11 @@ class MemoryEstimate:
     recommendation: str
     notes: tuple[str, ...] = field(default=())
     units: int | None = None  # from a model: how many units the engine would make
-    offload_params: bool = False  # stage 3's parameter shards in CPU memory too
+    shard_size: int | None = None  # ranks per shard group of the ZeRO rows (None: all)
+    offload_params: bool = False
+    intra_node_gbps: float = INTRA_NODE_GBPS
+    inter_node_gbps: float = INTER_NODE_GBPS
+    pcie_gbps: float = PCIE_GBPS
 
     @property
     def world_size(self) -> int:
@@ -193,8 +234,12 @@ class MemoryEstimate:
             "dtypes": self.dtypes._asdict(),
             "offload_optimizer": self.offload_optimizer,
             "offload_params": self.offload_params,
+            "shard_size": self.shard_size,
             "bandwidth_gbps": self.bandwidth_gbps,
             "bandwidth_source": self.bandwidth_source,
+            "intra_node_gbps": self.intra_node_gbps,
+            "inter_node_gbps": self.inter_node_gbps,
+            "pcie_gbps": self.pcie_gbps,
             "memory_per_device": self.memory_per_device,
             "rows": [
                 {
@@ -205,12 +250,17 @@ class MemoryEstimate:
                     "gathered": r.gathered,
                     "device_peak": r.device_peak,
                     "comm_bytes": r.comm_bytes,
+                    "intra_node_bytes": r.intra_node_bytes,
+                    "inter_node_bytes": r.inter_node_bytes,
                     "comm_seconds": r.comm_seconds,
+                    "host_bytes": r.host_bytes,
+                    "host_seconds": r.host_seconds,
                     "fits": r.fits,
                 }
                 for r in self.rows
             ],
             "recommended": None if self.recommended is None else self.recommended.strategy,
+            "recommended_options": None if self.recommended is None else self.recommended.options(self.world_size),
             "recommendation": self.recommendation,
             "notes": list(self.notes),
         }
@@ -286,72 +336,156 @@ def _dtypes(
     return Dtypes(precision, compute, master, precision.endswith("-mixed"), states, reduce_dtype_bytes, ddp)
 
 
-def _rows(
-    counts: _Counts,
-    d: Dtypes,
-    world_size: int,
-    offload: bool,
-    prefetch: int,
-    bandwidth: float,
-    memory: float | None,
-    offload_params: bool = False,
-) -> tuple[StrategyEstimate, ...]:
-    ring = (world_size - 1) / world_size  # each rank sends this fraction of a collective's buffer
+class _Links(NamedTuple):
+    """The machine the estimate assumes: bandwidths in GB/s and its shape."""
 
-    def row(
-        strategy: str, device: StateBytes, cpu: StateBytes, gathered: float | None, sent: float
-    ) -> StrategyEstimate:
-        device, cpu = StateBytes(*map(float, device)), StateBytes(*map(float, cpu))
-        fits = None if memory is None else device.total + (gathered or 0.0) <= memory
-        return StrategyEstimate(strategy, device, cpu, gathered, sent * ring, sent * ring / (bandwidth * 1e9), fits)
+    intra_node: float  # bus bandwidth of a collective whose group stays inside one node
+    inter_node: float  # ... whose group spans nodes
+    pcie: float  # host-device copies, per device
+    devices: int  # per node
+    nodes: int
 
+    def spans_nodes(self, group_size: int, stride: int = 1) -> bool:
+        """Whether a group of ``group_size`` ranks ``stride`` apart (consecutive ranks fill a node first) spans
+        nodes."""
+        if self.nodes == 1 or group_size == 1:
+            return False
+        return stride * (group_size - 1) >= self.devices or self.devices % (stride * group_size) != 0
+
+    def seconds(self, group_size: int, sent: float, stride: int = 1) -> float:
+        bandwidth = self.inter_node if self.spans_nodes(group_size, stride) else self.intra_node
+        return sent / (bandwidth * 1e9)
+
+
+def _ddp_row(counts: _Counts, d: Dtypes, world_size: int, links: _Links, memory: float | None) -> StrategyEstimate:
+    sent = 2 * counts.trainable * d.ddp * (world_size - 1) / world_size  # one ring all-reduce of the gradients
+    device = StateBytes(counts.numel * d.ddp, counts.trainable * d.ddp, 0.0, counts.trainable * d.optimizer_states)
+    spans = links.spans_nodes(world_size)
+    return StrategyEstimate(
+        "ddp",
+        device,
+        StateBytes(0.0, 0.0, 0.0, 0.0),
+        0.0,
+        sent,
+        links.seconds(world_size, sent),
+        None if memory is None else device.total <= memory,
+        intra_node_bytes=0.0 if spans else sent,
+        inter_node_bytes=sent if spans else 0.0,
+    )
+
+
+class _Setting(NamedTuple):
+    """What every row of one estimate shares."""
+
+    d: Dtypes
+    world_size: int
+    prefetch: int
+    links: _Links
+    memory: float | None
+
+
+def _zero_row(
+    stage: int, counts: _Counts, setting: _Setting, shard_size: int, offload: bool, offload_params: bool
+) -> StrategyEstimate:
+    """One ZeRO row; ``counts`` laid out over ``shard_size`` ranks (see [Note: hybrid sharding] in
+    ``engine/mesh.py`` and docs/multinode.md)."""
+    d, world_size, prefetch, links, memory = setting
     c, m, k = d.compute, d.master, d.optimizer_states
-    nothing = StateBytes(0.0, 0.0, 0.0, 0.0)
-    rows = [
-        row(
-            "ddp",
-            StateBytes(counts.numel * d.ddp, counts.trainable * d.ddp, 0.0, counts.trainable * k),
-            nothing,
-            0.0,
-            2 * counts.trainable * d.ddp,
-        )
-    ]
+    offload = offload or offload_params
     separate = d.separate_master or offload
-    gathered_numel = counts.gathered_numel(prefetch)
+    if stage < 3:
+        params = counts.padded * c
+    elif offload_params:  # the compute shard lives in CPU memory (it is the master when the dtypes match)
+        params = 0.0
+    else:  # the shard is the master, or is kept to save a host-to-device copy per gather (offload)
+        params = counts.shard * c if offload or not separate else 0.0
+    full_grads = counts.trainable * c if stage == 1 else 0.0  # stage 1: full gradients through backward
+    grad_shard, master = counts.grad_shard * m, counts.shard * m if separate else 0.0
+    if offload:
+        device = StateBytes(params, full_grads, 0.0, 0.0)
+        host_params = counts.shard * c if offload_params and d.separate_master else 0.0
+        cpu = StateBytes(host_params, grad_shard, master, counts.state_shard * k)
+    else:  # stage 1 counts its peak, the full gradients, rather than the shards they become
+        device = StateBytes(params, full_grads if stage == 1 else grad_shard, master, counts.state_shard * k)
+        cpu = StateBytes(0.0, 0.0, 0.0, 0.0)
+    gathered = (
+        (None if counts.gathered_numel(prefetch) is None else counts.gathered_numel(prefetch) * c)
+        if (stage == 3)
+        else 0.0
+    )
+    # Inside each shard group: the reduce-scatter, and the all-gathers (stage 3: forward and backward; stages 1
+    # and 2: the updated shards after the step). Across the groups: one all-reduce of each gradient shard.
+    gathers = 2 if stage == 3 else 1
+    inside = (
+        (counts.trainable_padded * d.reduce + gathers * (counts.padded if stage == 3 else counts.trainable_padded) * c)
+        * (shard_size - 1)
+        / shard_size
+    )
+    replicas = world_size // shard_size
+    across = 2 * counts.grad_shard * d.reduce * (replicas - 1) / replicas
+    seconds = links.seconds(shard_size, inside) + links.seconds(replicas, across, stride=shard_size)
+    intra = (0.0 if links.spans_nodes(shard_size) else inside) + (
+        0.0 if links.spans_nodes(replicas, shard_size) else across
+    )
+    # Host-device copies per step: the gradient shard down and the updated shard up (offload_optimizer); with
+    # offload_params the shard goes up at each gather instead of once after the step.
+    host = 0.0
+    if offload:
+        host = grad_shard + (gathers if offload_params else 1) * counts.shard * c
+    return StrategyEstimate(
+        f"zero{stage}",
+        device,
+        cpu,
+        gathered,
+        inside + across,
+        seconds,
+        None if memory is None else device.total + (gathered or 0.0) <= memory,
+        intra_node_bytes=intra,
+        inter_node_bytes=inside + across - intra,
+        host_bytes=host,
+        host_seconds=host / (links.pcie * 1e9),
+        shard_size=shard_size,
+        offload_optimizer=offload,
+        offload_params=offload_params,
+    )
+
+
+def _rows(
+    counts: _Counts, setting: _Setting, shard_size: int, offload: bool, offload_params: bool
+) -> tuple[StrategyEstimate, ...]:
+    ddp = _ddp_row(counts, setting.d, setting.world_size, setting.links, setting.memory)
+    zero = [_zero_row(s, counts, setting, shard_size, offload, offload_params and s == 3) for s in (1, 2, 3)]
+    return (ddp, *zero)
+
+
+def _candidates(counts_for: Callable[[int], _Counts], setting: _Setting) -> list[StrategyEstimate]:
+    """Every configuration the recommendation weighs, in order of preference on a tie: DDP, then each stage
+    sharded over all ranks, then over each node (several nodes only), each without offload, with the optimizer
+    offloaded, and (stage 3) with the parameters offloaded too."""
+    world_size, links = setting.world_size, setting.links
+    sizes = [world_size] + ([links.devices] if links.nodes > 1 and world_size % links.devices == 0 else [])
+    rows = [_ddp_row(counts_for(world_size), setting.d, world_size, links, setting.memory)]
     for stage in (1, 2, 3):
-        if stage < 3:
-            params = counts.padded * c
-        else:  # the shard is the master, or is kept to save a host-to-device copy per gather (offload)
-            params = counts.shard * c if offload or not separate else 0.0
-        full_grads = counts.trainable * c if stage == 1 else 0.0  # stage 1: full gradients through backward
-        grad_shard, master = counts.grad_shard * m, counts.shard * m if separate else 0.0
-        if offload and offload_params and stage == 3:
-            # The compute shard on the host: a tensor of its own only when its dtype is not the master's.
-            device = StateBytes(0.0, 0.0, 0.0, 0.0)
-            cpu = StateBytes(counts.shard * c if d.separate_master else 0.0, grad_shard, master, counts.state_shard * k)
-        elif offload:
-            device = StateBytes(params, full_grads, 0.0, 0.0)
-            cpu = StateBytes(0.0, grad_shard, master, counts.state_shard * k)
-        else:  # stage 1 counts its peak, the full gradients, rather than the shards they become
-            device = StateBytes(params, full_grads if stage == 1 else grad_shard, master, counts.state_shard * k)
-            cpu = nothing
-        gathered = (None if gathered_numel is None else gathered_numel * c) if stage == 3 else 0.0
-        gathers = 2 if stage == 3 else 1  # stage 3: forward and backward; stages 1 and 2: after the step
-        sent = (
-            counts.trainable_padded * d.reduce
-            + gathers * (counts.padded if stage == 3 else counts.trainable_padded) * c
-        )
-        rows.append(row(f"zero{stage}", device, cpu, gathered, sent))
-    return tuple(rows)
+        for size in sizes:
+            for offload, offload_params in ((False, False), (True, False), (True, True)):
+                if not offload_params or stage == 3:
+                    rows.append(_zero_row(stage, counts_for(size), setting, size, offload, offload_params))
+    return rows
 
 
-def _recommend(rows: tuple[StrategyEstimate, ...], memory: float | None) -> StrategyEstimate | None:
-    fitting = [r for r in rows if r.fits]
-    if memory is None or not fitting:
+def _recommend(candidates: list[StrategyEstimate], memory: float | None) -> StrategyEstimate | None:
+    """The fitting candidate with the least transfer time, offloading as little as possible: a configuration
+    that offloads is considered only when none that offloads less fits (offload adds the optimizer step on
+    the CPU and host memory traffic, which this estimate does not time)."""
+    if memory is None:
         return None
-    cheapest = min(r.comm_bytes for r in fitting)
-    # The cheapest to communicate; on a tie (1e-9 relative) the first in row order, the lowest stage.
-    return next(r for r in fitting if r.comm_bytes <= cheapest * (1 + 1e-9))
+    for level in ((False, False), (True, False), (True, True)):
+        fitting = [r for r in candidates if r.fits and (r.offload_optimizer, r.offload_params) == level]
+        if fitting:
+            fastest = min(r.transfer_seconds for r in fitting)
+            # On a tie (1e-9 relative) the first in the candidates' order.
+            return next(r for r in fitting if r.transfer_seconds <= fastest * (1 + 1e-9))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- public API
@@ -369,7 +503,11 @@ def estimate_memory(
     unit_modules: Sequence[type[nn.Module] | str] | None = None,
     prefetch: int = 1,
     largest_unit_params: int | str | None = None,
+    shard_size: int | str | None = None,
     offload_params: bool = False,
+    intra_node_gbps: float | None = None,
+    inter_node_gbps: float | None = None,
+    pcie_gbps: float | None = None,
 ) -> MemoryEstimate:
     """Predict per-device model-state memory and per-step communication of DDP and ZeRO stages 1-3.
 
@@ -379,20 +517,25 @@ def estimate_memory(
         devices: devices per node (as ``Trainer(devices=...)``); ``nodes``: number of nodes. N = devices x nodes.
         precision: ``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"`` or ``"16-mixed"``.
         offload_optimizer: master, sharded gradients and optimizer states in CPU memory (ZeRO rows only).
+        offload_params: stage 3's parameter shards in CPU memory too, copied to the device at each gather
+            (implies ``offload_optimizer`` in the stage-3 row; stages 1 and 2 keep full parameters).
         optimizer_state_bytes: optimizer state per parameter (default: 2 x master bytes, Adam/AdamW;
             0 for plain SGD, 1 x master bytes for SGD with momentum).
         reduce_dtype_bytes: element size gradients are reduce-scattered in (default 4, fp32).
         param_dtype_bytes: element size of the compute copy under mixed precision (default 2).
-        bandwidth_gbps: bus bandwidth per rank in GB/s (1e9 bytes/s), as nccl-tests reports ``busbw``.
-            Default: ``INTRA_NODE_GBPS`` on one node, ``INTER_NODE_GBPS`` on several.
+        bandwidth_gbps: bus bandwidth per rank in GB/s (1e9 bytes/s), as nccl-tests reports ``busbw``, for
+            every collective (sets both levels below).
+        intra_node_gbps / inter_node_gbps: the bus bandwidth of a collective whose group stays inside one
+            node / spans nodes (defaults ``INTRA_NODE_GBPS`` and ``INTER_NODE_GBPS``).
+        pcie_gbps: host-device copies per device (offload; default ``PCIE_GBPS``).
+        shard_size: ranks per shard group of the ZeRO rows (hybrid sharding: states sharded inside each group,
+            replicated across groups): ``None`` for all ranks, ``"node"`` for the devices of one node.
         memory_per_device: device memory (``"80GB"``, ``"80GiB"`` or bytes) to recommend a strategy for.
         unit_modules: the strategies' ``unit_modules`` (with a model only).
         prefetch: how many units stage 3 gathers ahead; it is counted as holding ``prefetch + 1`` gathered
             units of the largest size (at most as many as there are units).
         largest_unit_params: for a bare count, the parameters of the largest unit (stage 3's gather
             buffers are then counted; without it they are not). A model's units are known exactly.
-        offload_params: stage 3's parameter shards in CPU memory too (the stage-3 row only; implies
-            ``offload_optimizer``): nothing persistent stays on the device, only the gathered units.
 
     Example::
 
@@ -402,6 +545,9 @@ def estimate_memory(
         >>> est = estimate_memory("7B", devices=8, precision="bf16-mixed", memory_per_device="80GB")
         >>> est.recommended.strategy, est.row("zero2").device.total / 1e9
         ('zero1', 28.0)
+        >>> est = estimate_memory("70B", devices=8, nodes=8, precision="bf16-mixed", shard_size="node")
+        >>> round(est.row("zero3").device.total / 1e9, 1), round(est.row("zero3").inter_node_bytes / 1e9, 1)
+        (140.0, 61.2)
     """
     if isinstance(precision, int) or precision in _PRECISION_ALIASES:
         precision = _PRECISION_ALIASES.get(str(precision), str(precision))
@@ -419,8 +565,16 @@ def estimate_memory(
         raise ValueError(f"param_dtype_bytes applies to mixed precision only; {precision} fixes the dtype")
     if bandwidth_gbps is not None and not (bandwidth_gbps > 0 and math.isfinite(bandwidth_gbps)):
         raise ValueError(f"bandwidth_gbps must be positive (GB/s), got {bandwidth_gbps!r}")
+    for name, value in (
+        ("intra_node_gbps", intra_node_gbps),
+        ("inter_node_gbps", inter_node_gbps),
+        ("pcie_gbps", pcie_gbps),
+    ):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be positive (GB/s), got {value!r}")
     memory = None if memory_per_device is None else parse_bytes(memory_per_device)
     world_size = devices * nodes
+    shard = resolve_shard_size(shard_size, world_size, devices)
 
     notes = []
     units: int | None = None
@@ -429,7 +583,11 @@ def estimate_memory(
             raise ValueError("largest_unit_params is for a bare parameter count: a model's units are planned exactly")
         plan = _plan(model_or_numel, unit_modules)
         units = len(plan)
-        counts = _count_model(plan, world_size)
+
+        def counts_for(size: int) -> _Counts:
+            return _count_model(plan, size)
+
+        counts = counts_for(world_size)
         if counts.numel == 0:
             raise ValueError(f"{type(model_or_numel).__name__} has no parameters")
         numel, trainable = int(counts.numel), int(counts.trainable)
@@ -440,13 +598,21 @@ def estimate_memory(
         if numel < 1:
             raise ValueError(f"the parameter count must be at least 1, got {model_or_numel!r}")
         largest = None if largest_unit_params is None else parse_count(largest_unit_params)
-        counts = _count_numel(numel, world_size, largest)
+
+        def counts_for(size: int) -> _Counts:
+            return _count_numel(numel, size, largest)
+
+        counts = counts_for(world_size)
 
     d = _dtypes(precision, optimizer_state_bytes, reduce_dtype_bytes, param_dtype_bytes)
+    intra = float(bandwidth_gbps or intra_node_gbps or INTRA_NODE_GBPS)
+    inter = float(bandwidth_gbps or inter_node_gbps or INTER_NODE_GBPS)
+    links = _Links(intra, inter, float(pcie_gbps or PCIE_GBPS), devices, nodes)
     if bandwidth_gbps is not None:
         bandwidth, source = float(bandwidth_gbps), "given"
     elif nodes == 1:
-        bandwidth, source = INTRA_NODE_GBPS, "default for one node: NVLink-class bus bandwidth"
+        bandwidth = intra
+        source = "given" if intra_node_gbps is not None else "default for one node: NVLink-class bus bandwidth"
         if devices > 8:
             split = f" (for nodes of 8: devices=8, nodes={devices // 8})" if devices % 8 == 0 else ""
             notes.append(
@@ -454,18 +620,23 @@ def estimate_memory(
                 f"domain; for a cluster give nodes, devices being per node{split}, or the bandwidth"
             )
     else:
-        bandwidth, source = INTER_NODE_GBPS, "default for several nodes: one 200 Gb/s InfiniBand/RoCE link per GPU"
+        bandwidth = inter
+        source = (
+            "given"
+            if inter_node_gbps is not None
+            else "default for several nodes: one 200 Gb/s InfiniBand/RoCE link per GPU"
+        )
     if world_size == 1:
         notes.append("one device: nothing is communicated and nothing is sharded")
-    offload_optimizer = offload_optimizer or offload_params
-    rows = _rows(counts, d, world_size, offload_optimizer, prefetch, bandwidth, memory, offload_params)
+    setting = _Setting(d, world_size, prefetch, links, memory)
+    rows = _rows(counts_for(shard), setting, shard, offload_optimizer, offload_params)
     if counts.gathered_numel(prefetch) is None:
         notes.append(
             "stage 3's gathered units are not counted: the largest unit is unknown for a bare parameter count "
             "(give largest_unit_params / --largest-unit, or a model)"
         )
-    recommended = _recommend(rows, memory)
-    text = _recommendation_text(rows, recommended, memory, counts, d, world_size, offload_optimizer, prefetch)
+    recommended = _recommend(_candidates(counts_for, setting), memory)
+    text = _recommendation_text(rows, recommended, memory, world_size)
     return MemoryEstimate(
         numel=numel,
         trainable_numel=trainable,
@@ -481,32 +652,31 @@ def estimate_memory(
         recommendation=text,
         notes=tuple(notes),
         units=units,
+        shard_size=shard if shard != world_size else None,
         offload_params=offload_params,
+        intra_node_gbps=intra,
+        inter_node_gbps=inter,
+        pcie_gbps=links.pcie,
     )
 
 
 def _recommendation_text(
-    rows: tuple[StrategyEstimate, ...],
-    best: StrategyEstimate | None,
-    memory: float | None,
-    counts: _Counts,
-    d: Dtypes,
-    world_size: int,
-    offload: bool,
-    prefetch: int,
+    rows: tuple[StrategyEstimate, ...], best: StrategyEstimate | None, memory: float | None, world_size: int
 ) -> str:
     if memory is None:
         return "give memory_per_device (--memory) for a recommendation"
     if best is not None:
+        transfer = format_seconds(best.transfer_seconds)
         return (
-            f"{best.label} (strategy={best.strategy!r}): {format_bytes(best.device_peak)} per device of "
-            f"{format_bytes(memory)}, the least communication of the options that fit"
+            f"{best.describe(world_size)}: {format_bytes(best.device_peak)} per device of {format_bytes(memory)}, "
+            f"the least transfer time ({transfer} per step, without overlap) of the options that fit, hybrid "
+            "sharding included; offload only where nothing without it fits"
         )
     stage3 = rows[-1]
-    text = f"nothing fits in {format_bytes(memory)} per device (stage 3 needs {format_bytes(stage3.device_peak)})"
-    if not offload:
-        offloaded = _rows(counts, d, world_size, True, prefetch, 1.0, memory)[-1]
-        text += f"; with offload_optimizer (--offload) stage 3 needs {format_bytes(offloaded.device_peak)}"
+    text = (
+        f"nothing fits in {format_bytes(memory)} per device, not even stage 3 with its parameters and optimizer "
+        f"offloaded (--offload-params; stage 3 as configured needs {format_bytes(stage3.device_peak)})"
+    )
     room = memory - (stage3.gathered or 0.0)
     if room > 0:
         needed = math.ceil(stage3.device.total * world_size / room)

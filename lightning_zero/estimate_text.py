@@ -17,7 +17,7 @@ def format_bytes(value: float) -> str:
     return f"{value:.4g} B"
 
 
-def _format_seconds(value: float) -> str:
+def format_seconds(value: float) -> str:
     if value == 0:
         return "0"
     for unit, name in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
@@ -42,15 +42,22 @@ def _cell(device: float, cpu: float) -> str:
 def render(est: MemoryEstimate) -> str:
     """The table, assumptions and recommendation of ``est`` (what ``MemoryEstimate.table()`` returns)."""
     d = est.dtypes
+    offload = est.offload_optimizer or est.offload_params
+    levels = est.nodes > 1
     header = ["strategy", "params", "grads", "master", "optimizer states", "gathered", "device total"]
-    header += ["CPU total"] if est.offload_optimizer else []
-    header += ["sent per step", "comm time"] + (["fits"] if est.memory_per_device is not None else [])
+    header += ["CPU total"] if offload else []
+    header += ["sent per step"] + (["of which across nodes"] if levels else []) + ["comm time"]
+    header += ["host copies"] if offload else []
+    header += ["fits"] if est.memory_per_device is not None else []
     lines = []
     for r in est.rows:
         gathered = "-" if r.stage != 3 else "not counted" if r.gathered is None else format_bytes(r.gathered)
         cells = [r.label] + [_cell(a, b) for a, b in zip(r.device, r.cpu)] + [gathered, format_bytes(r.device_peak)]
-        cells += [format_bytes(r.cpu.total) if r.cpu.total else "-"] if est.offload_optimizer else []
-        cells += [format_bytes(r.comm_bytes), _format_seconds(r.comm_seconds)]
+        cells += [format_bytes(r.cpu.total) if r.cpu.total else "-"] if offload else []
+        cells += [format_bytes(r.comm_bytes)] + ([format_bytes(r.inter_node_bytes)] if levels else [])
+        cells += [format_seconds(r.comm_seconds)]
+        if offload:
+            cells += [f"{format_bytes(r.host_bytes)}, {format_seconds(r.host_seconds)}" if r.host_bytes else "-"]
         cells += ["yes" if r.fits else "no"] if est.memory_per_device is not None else []
         lines.append(cells)
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
@@ -68,8 +75,10 @@ def render(est: MemoryEstimate) -> str:
     head = (
         f"{_format_count(est.numel)} parameters ({est.numel:,}{trainable}{units}) on {est.world_size} "
         f"device{'s' if est.world_size > 1 else ''} ({est.nodes} node{'s' if est.nodes > 1 else ''} x {est.devices}), "
-        f"precision {d.precision}{', optimizer offloaded to CPU' if est.offload_optimizer else ''}"
-        f"{', stage 3 parameters offloaded to CPU' if est.offload_params else ''}"
+        f"precision {d.precision}"
+        + (f", ZeRO states sharded over groups of {est.shard_size} (hybrid)" if est.shard_size else "")
+        + (", optimizer offloaded to CPU" if est.offload_optimizer else "")
+        + (", stage 3's parameters offloaded to CPU" if est.offload_params else "")
     )
     table = [fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(fmt(cells) for cells in lines)]
     paragraphs = [
@@ -77,12 +86,21 @@ def render(est: MemoryEstimate) -> str:
         "stage 3's gathered units to the persistent bytes.",
         f"Bytes per element: compute params {d.compute} ({master}), sharded grads {d.master}, optimizer states "
         f"{d.optimizer_states:g} per param, reduce-scatter {d.reduce}; DDP params and grads {d.ddp}.",
-        f"Communication: bytes sent per rank per step (ring, x (N-1)/N); time at {est.bandwidth_gbps:g} GB/s "
-        f"({est.bandwidth_source}; override with bandwidth_gbps / --bandwidth), without overlap.",
+        (
+            f"Communication: bytes sent per rank per step (ring, x (n-1)/n in each group); time at "
+            f"{est.intra_node_gbps:g} GB/s for collectives inside a node and {est.inter_node_gbps:g} GB/s for those "
+            f"spanning nodes ({est.bandwidth_source}; --intra-node-bandwidth / --inter-node-bandwidth / --bandwidth), "
+            "without overlap."
+            if levels
+            else f"Communication: bytes sent per rank per step (ring, x (N-1)/N); time at {est.bandwidth_gbps:g} GB/s "
+            f"({est.bandwidth_source}; override with bandwidth_gbps / --bandwidth), without overlap."
+        ),
     ]
-    if est.offload_optimizer:
+    if offload:
         paragraphs.append(
-            "Offload: DDP keeps everything on the device; in the ZeRO rows, cells marked CPU are host memory."
+            "Offload: DDP keeps everything on the device; in the ZeRO rows, cells marked CPU are host memory, and "
+            f"host copies are the bytes moved between device and CPU memory per step, at {est.pcie_gbps:g} GB/s "
+            "(--pcie-bandwidth); the optimizer step on the CPU is not timed."
         )
     paragraphs += [f"Note: {note}." for note in est.notes]
     paragraphs.append(f"Recommendation: {est.recommendation}.")

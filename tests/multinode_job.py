@@ -5,7 +5,9 @@ Started by torchrun, once per node, as ``tests/test_multinode.py`` does::
     python -m torch.distributed.run --nnodes 2 --nproc_per_node 1 --node_rank 0 \\
         --master_addr 127.0.0.1 --master_port 29500 tests/multinode_job.py OUT_DIR zero3 zero1
 
-Each strategy trains ``ParityNet`` for a few steps with ``Trainer(devices=1, num_nodes=2)``; every
+Each strategy trains ``ParityNet`` for a few steps with ``Trainer(devices=1, num_nodes=2)`` (or
+``devices=N`` after ``--devices N``, for ``--nproc_per_node N``; ``zero2-node``/``zero3-node`` shard
+inside each node: ``shard_size="node"``); every
 rank saves its per-step losses, the final parameters and what the Trainer and the engine saw
 (ranks, world size, cluster environment, shard layout) to ``OUT_DIR/rank{global_rank}.pt``. The
 repository root must be importable (the test sets ``PYTHONPATH``).
@@ -23,10 +25,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import lightning_zero  # noqa: F401  registers "zero1", "zero2" and "zero3"
-from lightning_zero import ZeROStrategy
+from lightning_zero import ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
 from tests.models import ParityNet, quiet_trainer
 
 MAX_STEPS = 6
+HYBRID = {"zero2-node": ZeRO2Strategy, "zero3-node": ZeRO3Strategy}  # shard_size="node"
 
 
 class Observer(Callback):
@@ -37,7 +40,8 @@ class Observer(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         strategy = trainer.strategy
-        assert isinstance(strategy, ZeROStrategy)
+        if not isinstance(strategy, ZeROStrategy):  # the reference (DDP)
+            return
         sharded = strategy.sharded_model
         stats = sharded.memory_stats()
         self.seen = {
@@ -54,6 +58,9 @@ class Observer(Callback):
             "comm_world_size": sharded.comm.world_size,
             "comm_rank": sharded.comm.rank,
             "comm_bytes_sent": sharded.comm.stats.bytes_sent,
+            "shard_group_ranks": torch.distributed.get_process_group_ranks(sharded.shard_comm.group)
+            if sharded.shard_comm.group is not None
+            else list(range(torch.distributed.get_world_size())),
             # (world size of the layout, numel, padded numel, shard numel) for every unit
             "layouts": [
                 (u.layout.world_size, u.layout.numel, u.layout.padded_numel, u.layout.shard_numel)
@@ -70,8 +77,9 @@ def train(strategy: str, devices: int, num_nodes: int) -> dict[str, Any]:
     model = ParityNet(optimizer="adamw")
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     observer = Observer()
+    chosen = HYBRID[strategy](shard_size="node") if strategy in HYBRID else strategy
     trainer = quiet_trainer(
-        strategy=strategy, devices=devices, num_nodes=num_nodes, max_steps=MAX_STEPS, callbacks=[observer]
+        strategy=chosen, devices=devices, num_nodes=num_nodes, max_steps=MAX_STEPS, callbacks=[observer]
     )
     trainer.fit(model)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -86,9 +94,12 @@ def train(strategy: str, devices: int, num_nodes: int) -> dict[str, Any]:
 
 def main(argv: list[str]) -> None:
     out_dir, strategies = Path(argv[0]), argv[1:]
+    devices = 1
+    if strategies[:1] == ["--devices"]:
+        devices, strategies = int(strategies[1]), strategies[2:]
     (out_dir / f"worker-{os.getpid()}.pid").write_text(str(os.getpid()))  # so that a hung test can stop it
     torch.set_num_threads(1)
-    results = {name: train(name, devices=1, num_nodes=2) for name in strategies}
+    results = {name: train(name, devices=devices, num_nodes=2) for name in strategies}
     rank = torch.distributed.get_rank()
     # What the launcher told this process (torchrun's or srun's variables, whichever are set).
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")

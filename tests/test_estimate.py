@@ -12,7 +12,7 @@ from lightning_zero import estimate_memory
 from lightning_zero.__main__ import main
 from lightning_zero.engine.layout import ShardLayout
 from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
-from lightning_zero.estimate import INTER_NODE_GBPS, INTRA_NODE_GBPS, parse_bytes, parse_count
+from lightning_zero.estimate import INTER_NODE_GBPS, INTRA_NODE_GBPS, PCIE_GBPS, parse_bytes, parse_count
 
 PSI = 7_000_000_000
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
@@ -148,21 +148,89 @@ def test_recommendation() -> None:
     too_big = estimate_memory(
         "7B", devices=8, precision="bf16-mixed", memory_per_device="16GB", largest_unit_params="1B"
     )
-    assert too_big.recommended is None and too_big.row("zero3").fits is False
+    assert too_big.row("zero3").fits is False  # as asked for; the recommendation weighs offload as well:
+    assert too_big.recommended.strategy == "zero2" and too_big.recommended.options(8) == {"offload_optimizer": True}
+    assert "ZeRO2Strategy(offload_optimizer=True)" in too_big.recommendation
     roomy = estimate_memory("7B", devices=8, memory_per_device="1TB")
     assert roomy.recommended.strategy == "ddp"  # DDP fits and sends no more than stages 1 and 2
     assert estimate_memory("7B", devices=8).recommended is None
 
 
-def test_recommendation_when_nothing_fits() -> None:
+def test_recommendation_weighs_offload_and_says_when_nothing_fits() -> None:
     est = estimate_memory("175B", devices=8, precision="bf16-mixed", memory_per_device="80GB")
+    assert not any(r.fits for r in est.rows)  # nothing fits as asked; offloading the optimizer does (43.75 GB)
+    assert est.recommended.strategy == "zero3" and est.recommended.options(8) == {"offload_optimizer": True}
+    assert est.recommended.device_peak == 2 * 175e9 / 8
+    # Host copies per step: the gradient shard down (fp32), the updated bf16 shard up, at the PCIe bandwidth.
+    assert est.recommended.host_bytes == pytest.approx((4 + 2) * 175e9 / 8)
+    assert est.recommended.host_seconds == pytest.approx(est.recommended.host_bytes / (PCIE_GBPS * 1e9))
+    # Gathered units of 25B parameters (100 GB in bf16) fit nowhere: nothing is recommended, and the text says why.
+    est = estimate_memory(
+        "175B", devices=8, precision="bf16-mixed", memory_per_device="80GB", largest_unit_params="25B"
+    )
     assert est.recommended is None
-    assert "nothing fits" in est.recommendation and "--offload" in est.recommendation
-    assert "fits on about 35 devices" in est.recommendation  # 16 x 175e9 / 80e9 = 35
+    assert "nothing fits" in est.recommendation and "--offload-params" in est.recommendation
+    assert "make the units smaller" in est.recommendation
+    roomier = estimate_memory(
+        "175B", devices=8, precision="bf16-mixed", memory_per_device="80GB", largest_unit_params="5B"
+    )
+    assert roomier.recommended is not None
     offloaded = estimate_memory(
         "175B", devices=8, precision="bf16-mixed", offload_optimizer=True, memory_per_device=80e9
     )
     assert offloaded.recommended.strategy == "zero3"
+
+
+def test_parameter_offload() -> None:
+    n = 8
+    est = estimate_memory(PSI, devices=n, precision="bf16-mixed", offload_params=True)
+    zero3 = est.row("zero3")
+    assert tuple(zero3.device) == (0, 0, 0, 0) and zero3.offload_params and zero3.offload_optimizer
+    # CPU: the bf16 compute shard, the fp32 gradient shard, master and Adam states.
+    assert tuple(zero3.cpu) == pytest.approx((2 * PSI / n, 4 * PSI / n, 4 * PSI / n, 8 * PSI / n))
+    # Per step: the gradient shard down, the bf16 shard up at each of the two gathers.
+    assert zero3.host_bytes == pytest.approx((4 + 2 * 2) * PSI / n)
+    # Stages 1 and 2 keep full parameters on the device: offload_params does not apply to them.
+    assert not est.row("zero2").offload_params and est.row("zero2").device.params == 2 * PSI
+    # In fp32 the master is the compute shard: nothing extra on the CPU.
+    fp32 = estimate_memory(PSI, devices=n, offload_params=True).row("zero3")
+    assert fp32.cpu.params == 0 and fp32.device.total == 0
+
+
+def test_hybrid_sharding_memory_and_traffic_by_level() -> None:
+    psi, nodes, per_node = 70 * 10**9, 8, 8
+    world = nodes * per_node
+    flat = estimate_memory(psi, devices=per_node, nodes=nodes, precision="bf16-mixed")
+    hybrid = estimate_memory(psi, devices=per_node, nodes=nodes, precision="bf16-mixed", shard_size="node")
+    assert hybrid.shard_size == 8 and flat.shard_size is None
+    assert hybrid.row("ddp") == flat.row("ddp")
+    for stage in (1, 2, 3):
+        row = hybrid.row(f"zero{stage}")
+        # States sharded over the node's 8 devices, as stage 3 over 8 devices on one node.
+        one_node = estimate_memory(psi, devices=per_node, precision="bf16-mixed").row(f"zero{stage}")
+        assert tuple(row.device) == pytest.approx(tuple(one_node.device))
+        # Inside each node: what the stage sends on one node; across nodes: one ring all-reduce of the fp32
+        # gradient shard over the 8 replicas.
+        across = 2 * psi / per_node * 4 * (nodes - 1) / nodes
+        assert row.intra_node_bytes == pytest.approx(one_node.comm_bytes)
+        assert row.inter_node_bytes == pytest.approx(across)
+        assert row.comm_seconds == pytest.approx(
+            one_node.comm_bytes / (INTRA_NODE_GBPS * 1e9) + across / (INTER_NODE_GBPS * 1e9)
+        )
+        plain = flat.row(f"zero{stage}")  # every collective spans the nodes
+        assert plain.intra_node_bytes == 0 and plain.inter_node_bytes == plain.comm_bytes
+        assert plain.device.total < row.device.total  # sharded over 64 ranks rather than 8: less memory
+    # A shard group of 2 inside nodes of 8: its collectives stay inside a node.
+    pairs = estimate_memory(psi, devices=per_node, nodes=nodes, precision="bf16-mixed", shard_size=2)
+    assert pairs.row("zero3").intra_node_bytes > 0 and pairs.shard_size == 2
+    with pytest.raises(ValueError, match="does not divide the world size 64"):
+        estimate_memory(psi, devices=per_node, nodes=nodes, shard_size=3)
+    # The recommendation weighs hybrid sharding: with room for a node's shards, it keeps most traffic inside.
+    roomy = estimate_memory(psi, devices=per_node, nodes=nodes, precision="bf16-mixed", memory_per_device="200GB")
+    assert roomy.recommended.strategy == "zero3" and roomy.recommended.options(world) == {"shard_size": 8}
+    assert "ZeRO3Strategy(shard_size=8)" in roomy.recommendation
+    tight = estimate_memory(psi, devices=per_node, nodes=nodes, precision="bf16-mixed", memory_per_device="80GB")
+    assert tight.recommended.strategy == "zero3" and tight.recommended.options(world) == {}
 
 
 @pytest.mark.parametrize(
@@ -289,9 +357,25 @@ def test_cli_several_sizes_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "50 GB/s (given" in " ".join(capsys.readouterr().out.split())
 
 
+def test_cli_hybrid_and_parameter_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["estimate", "--params", "70B", "--devices", "8", "--nodes", "8", "--precision", "bf16-mixed"]
+    assert main([*argv, "--shard-size", "node", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["shard_size"] == 8 and data["rows"][3]["inter_node_bytes"] == pytest.approx(61.25e9)
+    assert main([*argv, "--shard-size", "node", "--inter-node-bandwidth", "50", "--memory", "200GB"]) == 0
+    words = " ".join(capsys.readouterr().out.split())
+    assert "sharded over groups of 8 (hybrid)" in words and "of which across nodes" in words and "50 GB/s" in words
+    assert "Recommendation: stage 3 (ZeRO3Strategy(shard_size=8))" in words
+    assert main(["estimate", "--params", "70B", "--devices", "8", "--precision", "bf16-mixed", "--offload-params"]) == 0
+    words = " ".join(capsys.readouterr().out.split())
+    assert "parameters offloaded to CPU" in words and "host copies" in words and "17.5 GB CPU" in words
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--params", "7B", "--devices", "8", "--shard-size", "3"], "does not divide"),
+        (["--params", "7B", "--shard-size", "half"], "'node'"),
         (["--params", "seven"], "parameter count"),
         (["--params", "7B", "--devices", "8,x"], "comma"),
         (["--params", "7B", "--memory", "80XB"], "bytes"),

@@ -64,7 +64,9 @@ _FOREIGN = (
 # --------------------------------------------------------------------------- two nodes
 
 
-def _node_command(launcher: str, node_rank: int, port: int, out_dir: Path) -> tuple[list[str], dict[str, str]]:
+def _node_command(
+    launcher: str, node_rank: int, port: int, out_dir: Path, per_node: int = 1, strategies: tuple[str, ...] = STRATEGIES
+) -> tuple[list[str], dict[str, str]]:
     """What node ``node_rank`` runs: torchrun, or the job itself with the variables ``srun`` would set."""
     env = {k: v for k, v in os.environ.items() if k not in _FOREIGN and not k.startswith("SLURM_")}
     env.update(
@@ -74,9 +76,9 @@ def _node_command(launcher: str, node_rank: int, port: int, out_dir: Path) -> tu
             "PYTHONUNBUFFERED": "1",
         }
     )
-    job = [str(JOB), str(out_dir), *STRATEGIES]
+    job = [str(JOB), str(out_dir), "--devices", str(per_node), *strategies]
     if launcher == "torchrun":
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", str(per_node)]
         rendezvous = ["--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port)]
         return [*torchrun, *rendezvous, *job], env
     # srun --nodes 2 --ntasks-per-node 1: one task per node; the address comes from the node list.
@@ -97,13 +99,15 @@ def _node_command(launcher: str, node_rank: int, port: int, out_dir: Path) -> tu
     return [sys.executable, *job], env
 
 
-def _run_two_nodes(launcher: str, out_dir: Path, log_dir: Path) -> None:
+def _run_two_nodes(
+    launcher: str, out_dir: Path, log_dir: Path, per_node: int = 1, strategies: tuple[str, ...] = STRATEGIES
+) -> None:
     """Both nodes at once; fail with their logs if either fails or they outlive TIMEOUT."""
     port = free_port()
     procs: list[tuple[subprocess.Popen, Path]] = []
     try:
         for node_rank in (0, 1):
-            cmd, env = _node_command(launcher, node_rank, port, out_dir)
+            cmd, env = _node_command(launcher, node_rank, port, out_dir, per_node, strategies)
             log = log_dir / f"node{node_rank}.log"
             with open(log, "w") as fh:  # the child keeps its own copy of the descriptor
                 # A session of its own, so that a timeout can kill it with all its children.
@@ -220,6 +224,32 @@ def test_two_nodes_match_one_node(
     for name in STRATEGIES:
         for key, value in nodes[0][name]["state"].items():
             assert torch.equal(nodes[1][name]["state"][key], value), f"{name}: {key} differs between the nodes"
+
+
+def test_hybrid_sharding_over_two_torchrun_nodes_matches_ddp(tmp_path: Path) -> None:
+    """2 torchrun "nodes" x 2 processes; ``shard_size="node"`` shards inside each node and trains as DDP does."""
+    out_dir, log_dir = tmp_path / "out", tmp_path / "logs"
+    out_dir.mkdir()
+    log_dir.mkdir()
+    hybrid = ("zero2-node", "zero3-node")
+    _run_two_nodes("torchrun", out_dir, log_dir, per_node=2, strategies=("ddp", *hybrid))
+    ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    for rank, result in enumerate(ranks):
+        node = rank // 2
+        assert result["env"]["GROUP_RANK"] == str(node) and result["env"]["WORLD_SIZE"] == "4"
+        ddp = result["ddp"]
+        for name in hybrid:
+            got, where = result[name], f"{name}, global rank {rank}"
+            seen = got["seen"]
+            assert (seen["world_size"], seen["num_nodes"], seen["num_devices"], seen["node_rank"]) == (4, 2, 2, node)
+            # States sharded over the node's two processes (a shard group per node), not over all four.
+            assert seen["shard_group_ranks"] == [2 * node, 2 * node + 1], where
+            assert all(ws == 2 and 2 * shard == padded for ws, _, padded, shard in seen["layouts"]), where
+            # DDP's training: 4 ranks over gloo sum in another order than DDP's bucket, so to rounding.
+            assert got["global_step"] == ddp["global_step"] == MAX_STEPS, where
+            torch.testing.assert_close(got["losses"], ddp["losses"], rtol=1e-6, atol=0, msg=where)
+            for key, value in ddp["state"].items():
+                torch.testing.assert_close(got["state"][key], value, rtol=1e-6, atol=1e-7, msg=f"{where}: {key}")
 
 
 # --------------------------------------------------------------------------- SLURM

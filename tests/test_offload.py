@@ -19,7 +19,6 @@ tensor is meant to live (see [Note: parameter offload] in ``engine/unit.py``), n
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -36,7 +35,6 @@ import lightning_zero.fabric as zero_fabric
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import Comm, ShardedModel
 from lightning_zero.engine.unit import ShardedUnit
-from lightning_zero.estimate import estimate_memory
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
@@ -213,25 +211,6 @@ def test_offload_params_implies_offload_optimizer_and_is_a_bool() -> None:
             make(offload_params="yes")
     with pytest.raises(ValueError, match="needs stage 3"):
         ShardedModel(nn.Linear(2, 2), stage=2, comm=Comm(), offload_params=True)
-
-
-def test_estimate_puts_stage_3_parameters_on_the_host() -> None:
-    for precision, host_bytes in (("32-true", 0), ("bf16-mixed", 2)):
-        est = estimate_memory(8_000, devices=2, precision=precision, offload_params=True)
-        row = est.row("zero3")
-        assert est.offload_optimizer and row.device.total == 0
-        assert row.cpu.params == host_bytes * 4_000  # fp32: the host shard is the master, counted once
-        assert est.row("zero2").device.params > 0  # stages 1 and 2 keep their parameters
-        assert "stage 3 parameters offloaded to CPU" in est.table()
-
-
-def test_estimate_cli_offload_params(capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_zero.__main__ import main
-
-    assert main(["estimate", "--params", "7B", "--devices", "8", "--offload-params", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    assert data["offload_params"] and data["offload_optimizer"]
-    assert data["rows"][3]["device"]["total"] == 0
 
 
 def _one_rank_training(
