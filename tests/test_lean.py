@@ -282,11 +282,36 @@ def _host_reads(rank: int, world_size: int) -> dict[str, list[int]]:
                 per_step.append(counter.reads - micro_batches)  # beyond one per backward pass
             found[f"{kind} stage {stage}{' checking inf/NaN' if check_finite else ''}"] = per_step
             sharded.release()
-    return found
+    return found, _slots_catch_nonfinite(rank)
+
+
+def _slots_catch_nonfinite(rank: int) -> dict[str, Any]:
+    """A NaN on rank 1 only is known on both ranks from the reductions' slots; finite gradients whose sum overflows
+    are caught by the ranks whose shards hold the inf (both here: every element overflows)."""
+    torch.manual_seed(0)
+    net = nn.Linear(2, 2, bias=False)
+    sharded = ShardedModel(net, stage=2, comm=Comm(checks="off"))
+    sharded.reducer.check_finite = True
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sharded.bind_optimizer(opt)
+    seen: dict[str, Any] = {}
+    for case, scale in (("first", 1.0), ("nan on rank 1", float("nan") if rank == 1 else 1.0), ("overflow", 3e38)):
+        opt.zero_grad()
+        try:
+            with HostReads() as counter, sharded.step_context():
+                (net.weight * scale).sum().backward()
+            seen[case] = ([u.grads_finite for u in sharded.units], counter.reads, sharded.nonfinite_grads(opt)[0])
+        except Exception as error:  # what each rank sees
+            seen[case] = f"{type(error).__name__}: {error}"
+    sharded.release(gather=False)
+    return seen
 
 
 def test_at_most_one_host_read_per_step() -> None:
-    for found in spawn(_host_reads, world_size=2):
+    for found, slots in spawn(_host_reads, world_size=2):
+        # A NaN on one rank: every rank knows (grads_finite False) from one read, and the check names rank 1.
+        assert slots["nan on rank 1"] == ([False], 2, [0, 1]), slots  # the slots' read, then the exact path's (shards)
+        assert "FloatingPointError" in slots["overflow"] and "overflowed on this rank" in slots["overflow"], slots
         for where, per_step in found.items():
             # One per backward pass; after gradient accumulation one more, for the inf/NaN check.
             assert per_step[:-1] == [0] * (STEPS - 1) and per_step[-1] <= 1, (where, per_step)

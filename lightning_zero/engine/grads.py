@@ -54,12 +54,24 @@ step). The reduce-scatter carries the answer in the common case: each rank's chu
 ends with one slot, which every rank sets to 1 if it left a parameter that requires a gradient
 without one, so after the reduction the slot is positive, on every rank alike, exactly when some
 rank did (a sum of non-negative numbers is positive iff one of them is, in any dtype and order).
-When no slot is positive, every parameter that requires a gradient was used everywhere. When one
-is (parameters unused on some rank), on the first backward pass (which settles the reduce order)
-and when someone reads ``ShardedUnit.grads_finite`` (``check_finite``), one all-reduce of the
-per-parameter records follows. Either way the host reads the flags once. A sharded gradient is a
-view of the reduce-scatter output, kept as the ``.grad`` of the parameter's ``shard_param``; later
-micro-batches add into it.
+
+The same slot answers the other question every step asks by default (``nonfinite_grads``): does
+any rank's gradient hold an inf or NaN? With ``check_finite`` each rank adds ``0 * m`` to its
+slot, ``m`` the largest magnitude of its gradients in the buffer: 0 when they are finite, NaN
+when one is not; NaN survives the sum, so after the reduction the slot is NaN exactly when some
+rank's gradients were not finite. One case escapes it: finite gradients whose *sum* overflows in
+the reduce dtype (fp32 values near 1e38 summed before dividing, or fp16 rounding at its limit).
+Each rank checks its own reduced shard (its largest magnitude, on the device, read with the
+slots) and raises if the shard holds an inf or NaN that the slot did not announce; the other
+ranks, which cannot know, stop at their next collective with its error (``PeerFailureError``):
+an error everywhere, never a step silently applied with an inf.
+
+So the host reads the slots (and the shards' largest magnitudes) once per step. When every slot
+is 0, every parameter that requires a gradient was used everywhere and all are finite: no other
+collective. Otherwise (parameters unused on some rank, non-finite gradients), and on the first
+backward pass (which settles the reduce order), one small all-reduce of per-parameter records
+and per-unit finiteness follows. A sharded gradient is a view of the reduce-scatter output, kept
+as the ``.grad`` of the parameter's ``shard_param``; later micro-batches add into it.
 
 [Note: gradient markers]
 The user's optimizer holds the module's parameters (see [Note: parameters outside their unit's
@@ -84,6 +96,7 @@ one. Units in which nothing requires a gradient are skipped, on every rank alike
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -325,7 +338,9 @@ class GradReducer:
         while self._in_flight and self._in_flight_bytes() + size > self.max_in_flight_bytes:
             self._complete_oldest()
         buffer = self._take_buffer((unit.reduce_numel, unit.reduce_dtype, unit.device), size)
-        self._in_flight.append(unit.reduce_grads(async_op=True, buffer=buffer, give_back=self._give_back))
+        self._in_flight.append(
+            unit.reduce_grads(async_op=True, buffer=buffer, give_back=self._give_back, check_finite=self.check_finite)
+        )
         self._next += 1
         if self.after_unit_reduced is not None:
             self.after_unit_reduced(unit)
@@ -392,13 +407,19 @@ class GradReducer:
         device = self.order[0].device
         proposal = None if self.order_agreed else self._proposed_order()
         had = [flag for reduced in pending for flag in reduced.had_grad]
-        if proposal is None and not self.check_finite:
-            # The common case: the reductions' own slots say whether any rank left a parameter unused (see
-            # [Note: which gradients exist]); their ``tolist()`` is the step's one read on the host.
-            slots = torch.cat([r.unused_anywhere for r in pending]).tolist()
-            if not any(slot > 0 for slot in slots):
+        if proposal is None:
+            # The common case: the reductions' own slots say whether any rank left a parameter unused or (with
+            # ``check_finite``) holds an inf or NaN (see [Note: which gradients exist]); one read on the host.
+            parts = [r.unused_anywhere.float() for r in pending]
+            if self.check_finite:
+                parts.append(torch.stack([r.total.to(device) for r in pending]))
+            values = torch.cat(parts).tolist()
+            slots, peaks = values[: len(pending)], values[len(pending) :]
+            if all(slot == 0 for slot in slots):  # NaN and positive slots both fail this
+                if any(not math.isfinite(peak) for peak in peaks):
+                    raise _overflow_error(pending, peaks)
                 self._synchronize_copies(pending, device)
-                self._attach(pending, [True] * len(had), None)
+                self._attach(pending, [True] * len(had), [False] * len(pending) if self.check_finite else None)
                 return
         # One small all-reduce (MAX: "on any rank", which cannot overflow at any world size) carries which
         # parameters got a gradient, per unit whether its reduced gradients hold an inf or NaN (see
@@ -406,8 +427,7 @@ class GradReducer:
         # order (see [Note: reduce order]). Its ``tolist()`` is the step's one read on the host.
         parts = [torch.tensor(had, dtype=torch.uint8).to(device, non_blocking=True)]
         if self.check_finite:
-            # A sum is inf or NaN if any element is (and, rarely, when finite values overflow: that only sends
-            # the check down its exact path); summed on the device before any copy to the host.
+            # Each shard's largest magnitude is inf or NaN exactly when an element is; on the device.
             parts.append((~torch.isfinite(torch.stack([r.total.to(device) for r in pending]))).to(torch.uint8))
         if proposal is not None:
             parts.append(torch.tensor(_order_hash(self.units, proposal), dtype=torch.uint8).to(device))
@@ -482,6 +502,18 @@ class _Reduced(NamedTuple):
     had_grad: list[bool]  # per parameter: whether this rank produced a gradient
     total: torch.Tensor  # the shard's sum in fp32, on the compute device
     unused_anywhere: torch.Tensor  # the reduced unused-parameter slot: positive if some rank left one unused
+
+
+def _overflow_error(pending: list[_Reduced], peaks: list[float]) -> FloatingPointError:
+    """This rank's reduced gradients hold an inf or NaN although no rank's gradients did: the sum overflowed in
+    the reduce dtype here. The other ranks cannot know it (see [Note: which gradients exist]): this rank stops,
+    and they stop at their next collective with its error (``PeerFailureError``)."""
+    units = [r.unit.name for r, peak in zip(pending, peaks) if not math.isfinite(peak)]
+    return FloatingPointError(
+        f"the reduced gradients of {', '.join(repr(u) for u in units[:5])} overflowed on this rank: every rank's "
+        "gradients were finite, but their sum is not representable in the reduce dtype. Lower the learning rate or "
+        "the loss scale, clip gradients, or reduce in float32 (reduce_dtype=torch.float32)."
+    )
 
 
 def _once(action: Callable[[], None]) -> Callable[..., None]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -59,6 +60,9 @@ class ShardLayout:
     shapes: tuple[torch.Size, ...]
     world_size: int
 
+    # The derived sizes below are read on every step: computed once (``cached_property`` stores them in the
+    # instance's ``__dict__``, which a frozen dataclass allows).
+
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
@@ -67,11 +71,11 @@ class ShardLayout:
     def from_shapes(cls, shapes: list[torch.Size] | tuple[torch.Size, ...], world_size: int) -> ShardLayout:
         return cls(tuple(torch.Size(s) for s in shapes), world_size)
 
-    @property
+    @cached_property
     def numels(self) -> tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
-    @property
+    @cached_property
     def offsets(self) -> tuple[int, ...]:
         """Start of each parameter in the flat buffer."""
         offsets, total = [], 0
@@ -80,15 +84,15 @@ class ShardLayout:
             total += n
         return tuple(offsets)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(self.numels)
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         return math.ceil(self.numel / self.world_size) * self.world_size
 
-    @property
+    @cached_property
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
 

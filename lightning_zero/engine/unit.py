@@ -526,6 +526,7 @@ class ShardedUnit:
         async_op: bool = False,
         buffer: torch.Tensor | None = None,
         give_back: Callable[[torch.Tensor], None] | None = None,
+        check_finite: bool = False,
     ) -> ReducedGrads:
         """Reduce-scatter the mean of the full gradients in ``reduce_dtype`` (see ``ReducedGrads``); the
         full gradients are dropped. ``buffer`` (``reduce_numel`` elements of ``reduce_dtype``, any content)
@@ -534,7 +535,9 @@ class ShardedUnit:
 
         Rank ``r``'s chunk of the buffer is the range ``r`` of the flat layout followed by one slot, which
         every rank sets to 1 if it did not produce a gradient for a parameter that requires one (else 0):
-        after the reduction each rank's slot is positive exactly when some rank left a parameter unused."""
+        after the reduction each rank's slot is positive exactly when some rank left a parameter unused. With
+        ``check_finite`` a rank whose gradients hold an inf or NaN makes the slot NaN, so after the reduction it is
+        NaN (on every rank) exactly when some rank's are (see [Note: which gradients exist] in ``grads.py``)."""
         width = self.layout.shard_numel + 1
         flat_grad = (
             buffer
@@ -569,6 +572,8 @@ class ShardedUnit:
         if zeroed:
             torch._foreach_zero_(zeroed)
         chunks[:, -1].fill_(1.0 if unused_here else 0.0)
+        if check_finite:  # the slot becomes NaN if this rank's gradients hold an inf or NaN (x * 0 is NaN then)
+            chunks[:, -1].add_(torch.linalg.vector_norm(chunks[:, :-1], float("inf")).mul_(0))
         # The mean over ranks. Dividing the shard after summing costs 1/N of dividing the full buffer before,
         # and gives DDP's bits whenever N is a power of two (scaling by 2^-k commutes with rounding). In a
         # half-precision reduction, dividing first keeps the sum from overflowing, as DDP does. (A positive
@@ -609,8 +614,8 @@ class ShardedUnit:
 class ReducedGrads:
     """One unit's reduce-scatter, possibly in flight. ``wait()`` returns this rank's shard of the averaged
     gradient, in the master dtype and on the master device, and hands the full-size buffer back for reuse;
-    ``total`` is then the shard's sum in fp32, on the compute device (read by no one on the host: see
-    [Note: offload copies])."""
+    ``total`` is then the largest magnitude in the shard, in fp32, on the compute device (read on the host only
+    with the flags: see [Note: offload copies])."""
 
     def __init__(
         self,
@@ -657,7 +662,9 @@ class ReducedGrads:
             shard = self._out[:-1]
             if self._divisor is not None:
                 shard.div_(self._divisor)
-            self.total = shard.sum(dtype=torch.float32)  # before any copy to the host
+            # The largest magnitude: inf or NaN exactly when an element is (a sum could overflow); on the device,
+            # before any copy to the host.
+            self.total = torch.linalg.vector_norm(shard, float("inf"), dtype=torch.float32)
             self._out = to_master(shard, self.unit)
         return self._out
 

@@ -355,8 +355,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         )
         self._meta_init = None
         self._stats_logged_until = None
-        precision.attach(self._sharded)
         precision.nonfinite_grads = self.nonfinite_grads
+        precision.attach(self._sharded)
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)

@@ -212,6 +212,10 @@ class ZeROPrecision(Precision):
     def attach(self, sharded_model: ShardedModel | None) -> None:
         """Connect to (or, with ``None``, detach from) the engine whose gradients this plugin checks."""
         self.sharded_model = sharded_model
+        if sharded_model is not None:
+            # The check of every step reads what the backward pass's reductions found (see
+            # ``GradReducer.check_finite``): no collective of its own.
+            sharded_model.reducer.check_finite = self.nonfinite_grads != "ignore" and self.scaler is None
         if self.scaler is not None:
             self.scaler.all_reduce = None if sharded_model is None else sharded_model.comm.all_reduce
             self.scaler.comm_device = None if sharded_model is None else sharded_model.units[0].device
