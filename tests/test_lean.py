@@ -286,16 +286,18 @@ def _host_reads(rank: int, world_size: int) -> dict[str, list[int]]:
 
 
 def _slots_catch_nonfinite(rank: int) -> dict[str, Any]:
-    """A NaN on rank 1 only is known on both ranks from the reductions' slots; finite gradients whose sum overflows
-    are caught by the ranks whose shards hold the inf (both here: every element overflows)."""
+    """A NaN on rank 1 only is known on both ranks from the reductions' slots; finite gradients whose reduction
+    overflows are caught by the ranks whose shards hold the inf (both here: each holds one overflowed element)."""
     torch.manual_seed(0)
-    net = nn.Linear(2, 2, bias=False)
+    net = nn.Linear(2, 1, bias=False)
     sharded = ShardedModel(net, stage=2, comm=Comm(checks="off"))
     sharded.reducer.check_finite = True
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     sharded.bind_optimizer(opt)
     seen: dict[str, Any] = {}
-    for case, scale in (("first", 1.0), ("nan on rank 1", float("nan") if rank == 1 else 1.0), ("overflow", 3e38)):
+    # Overflow: each rank's gradients are finite and so is their sum (2e38 - 2e38), but the reduction's 2 x 2e38 is not.
+    overflow = torch.tensor([[2e38, -2e38]])
+    for case, scale in (("first", 1.0), ("nan on rank 1", float("nan") if rank == 1 else 1.0), ("overflow", overflow)):
         opt.zero_grad()
         try:
             with HostReads() as counter, sharded.step_context():

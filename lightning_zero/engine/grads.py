@@ -57,20 +57,22 @@ rank did (a sum of non-negative numbers is positive iff one of them is, in any d
 
 The same slot answers the other question every step asks by default (``nonfinite_grads``): does
 any rank's gradient hold an inf or NaN? With ``check_finite`` each rank adds ``0 * m`` to its
-slot, ``m`` the largest magnitude of its gradients in the buffer: 0 when they are finite, NaN
-when one is not; NaN survives the sum, so after the reduction the slot is NaN exactly when some
-rank's gradients were not finite. The price is one read of the buffer on the device, queued with
-the copies into it and never waited for by the host: on a GPU a few microseconds per hundred MB,
-against an all-reduce's latency and a host synchronisation after it; on a CPU, about a third of
-the copy's time (for the benchmark GPT's 100 MB of gradients, some 20 ms of a 400 ms step,
-estimated from the bytes read, not measured apart). One case escapes it: finite gradients whose *sum* overflows in
-the reduce dtype (fp32 values near 1e38 summed before dividing, or fp16 rounding at its limit).
-Each rank checks its own reduced shard (its largest magnitude, on the device, read with the
-slots) and raises if the shard holds an inf or NaN that the slot did not announce; the other
+slot, ``m`` the sum of its gradients in the buffer: 0 when they are finite, NaN when one is not
+(or when their sum overflows, which only sends the step down the exact path below); NaN
+survives the sum, so after the reduction the slot is NaN when some rank's gradients were not
+finite. The price is one read of the buffer on the device, queued with the copies into it and
+never waited for by the host: on a GPU a few microseconds per hundred MB, against an
+all-reduce's latency and a host synchronisation after it; on a CPU about 7 ms per 100 MB (a
+sum; a largest magnitude would take 80 ms there, measured).
+
+One case escapes the slot: finite gradients whose sum overflows in the reduce dtype (fp32 values
+near 1e38 summed before dividing, or fp16 rounding at its limit). Each rank checks its own
+reduced shard (its sum, on the device, read with the slots; its elements if the sum is not
+finite) and raises if the shard holds an inf or NaN that the slot did not announce; the other
 ranks, which cannot know, stop at their next collective with its error (``PeerFailureError``):
 an error everywhere, never a step silently applied with an inf.
 
-So the host reads the slots (and the shards' largest magnitudes) once per step. When every slot
+So the host reads the slots (and the shards' sums) once per step. When every slot
 is 0, every parameter that requires a gradient was used everywhere and all are finite: no other
 collective. Otherwise (parameters unused on some rank, non-finite gradients), and on the first
 backward pass (which settles the reduce order), one small all-reduce of per-parameter records
@@ -420,8 +422,15 @@ class GradReducer:
             values = torch.cat(parts).tolist()
             slots, peaks = values[: len(pending)], values[len(pending) :]
             if all(slot == 0 for slot in slots):  # NaN and positive slots both fail this
-                if any(not math.isfinite(peak) for peak in peaks):
-                    raise _overflow_error(pending, peaks)
+                # A shard whose sum is not finite although no rank's gradients were: look at its elements (a sum
+                # of finite values can overflow; rare, and only this rank reads them).
+                overflowed = [
+                    r.unit.name
+                    for r, total in zip(pending, peaks)
+                    if not math.isfinite(total) and not bool(torch.isfinite(r.shard).all())
+                ]
+                if overflowed:
+                    raise _overflow_error(overflowed)
                 self._synchronize_copies(pending, device)
                 self._attach(pending, [True] * len(had), [False] * len(pending) if self.check_finite else None)
                 return
@@ -431,7 +440,8 @@ class GradReducer:
         # order (see [Note: reduce order]). Its ``tolist()`` is the step's one read on the host.
         parts = [torch.tensor(had, dtype=torch.uint8).to(device, non_blocking=True)]
         if self.check_finite:
-            # Each shard's largest magnitude is inf or NaN exactly when an element is; on the device.
+            # A sum is inf or NaN if any element is (and, rarely, when finite values overflow: that only sends the
+            # check down its exact path); summed on the device before any copy to the host.
             parts.append((~torch.isfinite(torch.stack([r.total.to(device) for r in pending]))).to(torch.uint8))
         if proposal is not None:
             parts.append(torch.tensor(_order_hash(self.units, proposal), dtype=torch.uint8).to(device))
@@ -508,11 +518,10 @@ class _Reduced(NamedTuple):
     unused_anywhere: torch.Tensor  # the reduced unused-parameter slot: positive if some rank left one unused
 
 
-def _overflow_error(pending: list[_Reduced], peaks: list[float]) -> FloatingPointError:
+def _overflow_error(units: list[str]) -> FloatingPointError:
     """This rank's reduced gradients hold an inf or NaN although no rank's gradients did: the sum overflowed in
     the reduce dtype here. The other ranks cannot know it (see [Note: which gradients exist]): this rank stops,
     and they stop at their next collective with its error (``PeerFailureError``)."""
-    units = [r.unit.name for r, peak in zip(pending, peaks) if not math.isfinite(peak)]
     return FloatingPointError(
         f"the reduced gradients of {', '.join(repr(u) for u in units[:5])} overflowed on this rank: every rank's "
         "gradients were finite, but their sum is not representable in the reduce dtype. Lower the learning rate or "

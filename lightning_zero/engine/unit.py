@@ -572,8 +572,11 @@ class ShardedUnit:
         if zeroed:
             torch._foreach_zero_(zeroed)
         chunks[:, -1].fill_(1.0 if unused_here else 0.0)
-        if check_finite:  # the slot becomes NaN if this rank's gradients hold an inf or NaN (x * 0 is NaN then)
-            chunks[:, -1].add_(torch.linalg.vector_norm(chunks[:, :-1], float("inf")).mul_(0))
+        if check_finite:
+            # The slot becomes NaN if this rank's gradients hold an inf or NaN: their sum is then inf or NaN, and so
+            # is the sum times 0 (a sum of finite values that overflows does too, which only sends the step down
+            # the exact path). A sum, not a largest magnitude: on a CPU it reads the buffer ten times faster.
+            chunks[:, -1].add_(chunks[:, :-1].sum(dtype=torch.float32).mul_(0))
         # The mean over ranks. Dividing the shard after summing costs 1/N of dividing the full buffer before,
         # and gives DDP's bits whenever N is a power of two (scaling by 2^-k commutes with rounding). In a
         # half-precision reduction, dividing first keeps the sum from overflowing, as DDP does. (A positive
@@ -614,8 +617,8 @@ class ShardedUnit:
 class ReducedGrads:
     """One unit's reduce-scatter, possibly in flight. ``wait()`` returns this rank's shard of the averaged
     gradient, in the master dtype and on the master device, and hands the full-size buffer back for reuse;
-    ``total`` is then the largest magnitude in the shard, in fp32, on the compute device (read on the host only
-    with the flags: see [Note: offload copies])."""
+    ``total`` is then the shard's sum in fp32, on the compute device (read on the host only with the flags: see
+    [Note: offload copies])."""
 
     def __init__(
         self,
@@ -662,9 +665,9 @@ class ReducedGrads:
             shard = self._out[:-1]
             if self._divisor is not None:
                 shard.div_(self._divisor)
-            # The largest magnitude: inf or NaN exactly when an element is (a sum could overflow); on the device,
-            # before any copy to the host.
-            self.total = torch.linalg.vector_norm(shard, float("inf"), dtype=torch.float32)
+            # Inf or NaN if an element is (or, rarely, when finite values overflow: the reader checks again);
+            # summed on the device, before any copy to the host.
+            self.total = shard.sum(dtype=torch.float32)
             self._out = to_master(shard, self.unit)
         return self._out
 
