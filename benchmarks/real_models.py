@@ -103,6 +103,7 @@ def _time_in_trainer(name: str, system: str, rank: int, steps: int, warmup: int,
     import lightning as L
     from lightning.pytorch.strategies import DDPStrategy
 
+    from benchmarks.trainer_mode import BARE_TRAINER
     from lightning_zero import ZeRO3Strategy
     from tests.real_models import build
 
@@ -142,17 +143,11 @@ def _time_in_trainer(name: str, system: str, rank: int, steps: int, warmup: int,
     strategy = DDPStrategy() if system == "ddp" else ZeRO3Strategy()
     dist.barrier()
     L.Trainer(
-        accelerator="cpu",
         devices=dist.get_world_size(),
         strategy=strategy,
         max_steps=warmup + steps + 1,
         callbacks=[Meter()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
+        **BARE_TRAINER,
     ).fit(Module())
     # Both ranks run in lockstep; the slower one's median counts.
     median = torch.tensor(statistics.median(times))

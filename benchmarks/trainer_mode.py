@@ -63,6 +63,20 @@ LABELS = {
 }
 
 
+#: A Trainer that does nothing but train on the CPU: no logger, checkpoints, progress bar, summary, sampler or
+#: validation (what every timed Trainer of the benchmarks runs with).
+BARE_TRAINER: dict[str, Any] = {
+    "accelerator": "cpu",
+    "logger": False,
+    "enable_checkpointing": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "use_distributed_sampler": False,
+    "limit_val_batches": 0,
+    "num_sanity_val_steps": 0,
+}
+
+
 class StepBatches(Dataset):
     """Item ``i`` is this rank's batch of step ``i`` (already a batch: use ``batch_size=None``)."""
 
@@ -216,18 +230,11 @@ def measure_trainer(
     try:
         module = make_module()
         trainer = L.Trainer(
-            accelerator="cpu",
             devices=world_size,
             strategy=make_strategy(name, module, world_size),
             max_steps=warmup + steps,
             callbacks=[meter],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
+            **BARE_TRAINER,
         )
         trainer.fit(module)
         result = meter.result

@@ -357,7 +357,8 @@ class _Links(NamedTuple):
         return sent / (bandwidth * 1e9)
 
 
-def _ddp_row(counts: _Counts, d: Dtypes, world_size: int, links: _Links, memory: float | None) -> StrategyEstimate:
+def _ddp_row(counts: _Counts, setting: _Setting) -> StrategyEstimate:
+    d, world_size, _, links, memory = setting
     sent = 2 * counts.trainable * d.ddp * (world_size - 1) / world_size  # one ring all-reduce of the gradients
     device = StateBytes(counts.numel * d.ddp, counts.trainable * d.ddp, 0.0, counts.trainable * d.optimizer_states)
     spans = links.spans_nodes(world_size)
@@ -453,7 +454,7 @@ def _zero_row(
 def _rows(
     counts: _Counts, setting: _Setting, shard_size: int, offload: bool, offload_params: bool
 ) -> tuple[StrategyEstimate, ...]:
-    ddp = _ddp_row(counts, setting.d, setting.world_size, setting.links, setting.memory)
+    ddp = _ddp_row(counts, setting)
     zero = [_zero_row(s, counts, setting, shard_size, offload, offload_params and s == 3) for s in (1, 2, 3)]
     return (ddp, *zero)
 
@@ -464,7 +465,7 @@ def _candidates(counts_for: Callable[[int], _Counts], setting: _Setting) -> list
     offloaded, and (stage 3) with the parameters offloaded too."""
     world_size, links = setting.world_size, setting.links
     sizes = [world_size] + ([links.devices] if links.nodes > 1 and world_size % links.devices == 0 else [])
-    rows = [_ddp_row(counts_for(world_size), setting.d, world_size, links, setting.memory)]
+    rows = [_ddp_row(counts_for(world_size), setting)]
     for stage in (1, 2, 3):
         for size in sizes:
             for offload, offload_params in ((False, False), (True, False), (True, True)):
