@@ -78,7 +78,7 @@ def _groups_of_collectives(rank: int, world_size: int) -> None:
     # The shard group of each rank, from the mesh ("replicate", "shard") = (2, 2): consecutive ranks.
     mine = [0, 1] if rank < 2 else [2, 3]
     calls: list[tuple[str, list[int], int]] = []  # (collective, ranks of its group, elements)
-    originals = {name: getattr(dist, name) for name in ("all_to_all_single", "all_reduce", "broadcast")}
+    originals = {name: getattr(dist, name) for name in ("scatter", "all_to_all_single", "all_reduce", "broadcast")}
 
     def spy(name: str):
         def call(tensor: torch.Tensor, *args: Any, group: dist.ProcessGroup | None = None, **kwargs: Any):
@@ -118,10 +118,10 @@ def _groups_of_collectives(rank: int, world_size: int) -> None:
             finally:
                 for name, fn in originals.items():
                     setattr(dist, name, fn)
-            # The gathers and reduce-scatters (all-to-alls on gloo) and the norm stay inside the shard group; the
-            # only collective across groups is one all-reduce of each unit's gradient shard (half a unit), with its
-            # unused-parameter slot (see grads.py).
-            gathers = [c for c in calls if c[0] == "all_to_all_single"]
+            # The gathers and reduce-scatters (on gloo: broadcasts, and scatters or, for small buffers, all-to-alls) and
+            # the norm stay inside the shard group; the only collective across groups is one all-reduce of each unit's
+            # gradient shard (half a unit), with its unused-parameter slot (see grads.py).
+            gathers = [c for c in calls if c[0] in ("scatter", "all_to_all_single", "broadcast") and c[2] > 1]
             assert gathers and all(ranks == mine for _, ranks, _ in gathers), (stage, gathers)
             across = [c for c in calls if c[1] == [rank % 2, rank % 2 + 2]]
             assert [c[0] for c in across] == ["all_reduce"] * len(sharded.units), (stage, across)

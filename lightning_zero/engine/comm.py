@@ -11,13 +11,33 @@ Every call into ``torch.distributed`` made by the engine goes through ``Comm``, 
 
 A world of one process never calls ``torch.distributed`` at all.
 
-[Note: gloo all-to-all]
-gloo's own all-gather and reduce-scatter are slow: on two CPU processes, moving 48 MB takes them
-51 and 68 ms, against 35 ms for an all-reduce of the same buffer. An all-to-all moves the same
-bytes a ring does, and gloo runs it at all-reduce speed; so on gloo, ``all_gather`` sends every
-rank a copy of this rank's shard with one ``all_to_all_single``, and ``reduce_scatter`` sends
-every rank its chunk and sums the chunks it receives (in rank order). NCCL keeps its own
-collectives, which are the fast ones there.
+[Note: gloo rooted collectives]
+gloo's own all-gather and reduce-scatter are slow, and anything built on a temporary full-size
+buffer is too: on a CPU a new 100 MB buffer costs more than the bytes it carries (the pages are
+faulted in and zeroed by the kernel on first touch; there is no caching allocator to hand back the
+last one). On two CPU processes, for a 100 MB flat buffer (medians, ms):
+
+    all-gather:      gloo's own 158-192, all-to-all of a W-fold copy of the shard 95-114,
+                     W broadcasts (one from each rank, into its chunk) 28
+    reduce-scatter:  all-to-all into a new buffer, then a sum 132-140,
+                     W scatters (each rank sends every rank its chunk), then W - 1 adds 42
+    all-reduce of the whole buffer (DDP's bucket): 67-72
+
+(at 1000 elements, a collective's latency dominates: 0.15 ms for one all-to-all, 0.22 for two
+scatters, 0.2 for either all-gather).
+
+So on gloo, ``all_gather`` is one asynchronous ``broadcast`` per rank, rank ``q``'s from its own
+chunk of the output (this rank's shard is copied there first unless it already is that chunk):
+every rank sends its shard to every other rank once, the bytes a ring sends, and nothing else is
+written or allocated. ``reduce_scatter`` is one asynchronous ``scatter`` per rank, rank ``q``
+sending chunk ``r`` of its buffer to rank ``r``; on two ranks the peer's chunk lands in the output
+shard itself and this rank's own chunk is added to it, with more ranks the peers' chunks land in
+a buffer of ``W - 1`` chunks and are summed in rank order. A buffer under 2^16 elements is
+reduce-scattered by one all-to-all instead (one collective's latency, not W; its temporary is
+small). Each is a gloo collective (its work can
+be waited for with a timeout and waited for again, which the stall report needs; point-to-point
+receives cannot: a timed-out receive is cancelled). NCCL keeps its own collectives, which are the
+fast ones there.
 
 [Note: streams]
 On NCCL, a collective issued with ``async_op=True`` is queued on NCCL's internal stream after an
@@ -47,6 +67,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 import torch
@@ -61,6 +82,9 @@ from lightning_zero.engine.control import (
 from lightning_zero.engine.control import explain_texts as _explain
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Below this many elements a gloo reduce-scatter is one all-to-all: one collective's latency instead of one per
+# rank (see [Note: gloo rooted collectives]).
+_ONE_ALL_TO_ALL_BELOW = 1 << 16
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -194,6 +218,25 @@ class Pending:
             self._stats.add_seconds(self._kind, time.perf_counter() - start)
 
 
+class _Works:
+    """The works of several collectives that make one (see [Note: gloo rooted collectives]), waited for as one: a
+    wait with a timeout that expires can be repeated, as with a single gloo collective."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout=timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 CollectiveChecks = Literal["auto", "all", "off"]
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
 _OP_ROW, _STEP_ROW, _EVENT_ROW = 1, 2, 3  # the first number of an agreement row (see control.py)
@@ -254,8 +297,13 @@ class Comm:
         self.checks = checks
         self.control = control if not self._skip else None
         self._codes: dict[str, int] = {}  # a unit's name -> its code in agreement rows (computed once)
-        # See [Note: gloo all-to-all].
-        self.via_all_to_all = not self._skip and self.world_size > 1 and dist.get_backend(group) == "gloo"
+        # See [Note: gloo rooted collectives].
+        self.rooted = not self._skip and self.world_size > 1 and dist.get_backend(group) == "gloo"
+        self._global_ranks = (
+            [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)]
+            if initialized
+            else [0]
+        )
         # A wait on NCCL orders streams and returns: only host-side waits need the stall report.
         self._waits_block_host = not self._skip and dist.get_backend(group) != "nccl"
         # See [Note: collective checks].
@@ -439,19 +487,52 @@ class Comm:
                 output.copy_(shard)
             return Pending(self.stats, "all_gather", None) if async_op else None
         describe = self._checker._before("all_gather", name, output.numel(), guard)
-        gather, source = _all_gather_single, shard
-        if self.via_all_to_all:  # see [Note: gloo all-to-all]; the copies also free ``shard`` to alias ``output``
-            gather = dist.all_to_all_single
-            source = shard.unsqueeze(0).expand(self.world_size, shard.numel()).contiguous()
+        if self.rooted:  # see [Note: gloo rooted collectives]
+            chunks = output.view(self.world_size, -1)
+            own = chunks[self.rank]
+            if own.data_ptr() != shard.data_ptr():
+                own.copy_(shard)
+            return self._timed(
+                "all_gather",
+                self._ring_bytes(output),
+                describe,
+                self._broadcasts,
+                chunks,
+                shard,
+                group=self.group,
+                async_op=async_op,
+            )
         return self._timed(
             "all_gather",
             self._ring_bytes(output),
             describe,
-            gather,
+            _all_gather_single,
             output,
-            source,
+            shard,
             group=self.group,
             async_op=async_op,
+        )
+
+    def _broadcasts(self, chunks: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool):
+        """Row ``q`` of ``chunks`` from rank ``q``, for every ``q`` (an all-gather on gloo: ``shard`` is only kept
+        alive)."""
+        return _Works(
+            [dist.broadcast(chunks[q], src=src, group=group, async_op=True) for q, src in enumerate(self._global_ranks)]
+        )
+
+    def _scatters(
+        self, received: list[torch.Tensor], chunks: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
+    ):
+        """Rank ``q``'s row ``r`` into ``received[q]`` of rank ``r``, for every ``q`` (this rank's own row is its
+        own ``received`` entry: the copy onto itself moves nothing)."""
+        rows = list(chunks)
+        return _Works(
+            [
+                dist.scatter(
+                    received[q], scatter_list=rows if q == self.rank else None, src=src, group=group, async_op=True
+                )
+                for q, src in enumerate(self._global_ranks)
+            ]
         )
 
     def reduce_scatter(
@@ -464,7 +545,7 @@ class Comm:
             return Pending(self.stats, "reduce_scatter", None) if async_op else None
         describe = self._checker._before("reduce_scatter", name, full.numel(), guard=False)
         bytes_sent = self._ring_bytes(full)
-        if not self.via_all_to_all:
+        if not self.rooted:
             return self._timed(
                 "reduce_scatter",
                 bytes_sent,
@@ -475,22 +556,31 @@ class Comm:
                 group=self.group,
                 async_op=async_op,
             )
-        # See [Note: gloo all-to-all]: every rank's chunk for us arrives in ``chunks``; summed in rank order.
-        chunks = torch.empty_like(full)
+        # See [Note: gloo rooted collectives]: every rank's chunk for this one arrives in ``received``.
+        world, rank = self.world_size, self.rank
+        chunks = full.view(world, -1)
+        if full.numel() < _ONE_ALL_TO_ALL_BELOW:
+            everyone = torch.empty_like(full)
+            received = list(everyone.view(world, -1))
+            fn, args = dist.all_to_all_single, (everyone, full)
+        else:
+            if world == 2:
+                received = [shard, shard]
+                received[rank] = chunks[rank]
+            else:
+                spare = iter(torch.empty((world - 1, shard.numel()), dtype=full.dtype, device=full.device))
+                received = [chunks[rank] if q == rank else next(spare) for q in range(world)]
+            fn, args = self._scatters, (received, chunks)
 
         def add_up() -> None:
-            torch.sum(chunks.view(self.world_size, -1), dim=0, out=shard)
+            if world == 2 and received[1 - rank] is shard:  # two ranks: the peer's chunk is in place
+                shard.add_(received[rank])  # plus this rank's: the sum in either order, bit for bit
+                return
+            torch.add(received[0], received[1], out=shard)
+            for row in received[2:]:
+                shard.add_(row)
 
-        pending = self._timed(
-            "reduce_scatter",
-            bytes_sent,
-            describe,
-            dist.all_to_all_single,
-            chunks,
-            full,
-            group=self.group,
-            async_op=async_op,
-        )
+        pending = self._timed("reduce_scatter", bytes_sent, describe, fn, *args, group=self.group, async_op=async_op)
         if pending is None:
             add_up()
             return None

@@ -5,8 +5,8 @@
 its ``forward``. Inside that ``forward``, Dynamo inlines the call of every submodule, *with its hooks*.
 The stage-3 forward hooks (``stage3.py``) of a unit called from compiled code must not be traced:
 
-- they issue collectives. Traced, Dynamo swaps the gloo all-to-all of an all-gather for a functional
-  collective and runs it on fake tensors, which fails at the first compile
+- they issue collectives. Traced, Dynamo swaps the gloo broadcasts of an all-gather for functional
+  collectives and runs it on fake tensors, which fails at the first compile
   (``TorchRuntimeError: ... making fake tensor call``: what stage 3 raised before this note);
 - they resize storages and read Python state that changes from call to call (which units are
   gathered, held or prefetched, the order recorded on the first step): traced, each such value would

@@ -206,10 +206,12 @@ def plan_units(module: nn.Module, policy: UnitPolicy | None = None) -> list[Unit
 
 
 def bucket_units(plans: list[UnitPlan], bucket_numel: int) -> list[UnitPlan]:
-    """Stages 1 and 2: merge consecutive units (in registration order) into buckets of at least
-    ``bucket_numel`` elements, so that each collective moves enough bytes to be efficient. Only units of
-    the same dtype and device merge. Under these stages a unit is only the granularity of collectives
-    (parameters are never gathered per module), so any grouping gives the same results.
+    """Stages 1 and 2: merge consecutive units (in registration order) into buckets of at most
+    ``bucket_numel`` elements (a unit larger than that is a bucket of its own), as DDP's ``bucket_cap_mb``
+    caps its buckets, so that each collective moves enough bytes to be efficient while no reduction buffer
+    grows past the cap. Only units of the same dtype and device merge. Under these stages a unit is only the
+    granularity of collectives (parameters are never gathered per module), so any grouping gives the same
+    results.
 
     Example::
 
@@ -235,13 +237,17 @@ def bucket_units(plans: list[UnitPlan], bucket_numel: int) -> list[UnitPlan]:
         )
         current.clear()
 
+    held = 0  # elements in ``current``
     for plan in plans:
+        numel = sum(p.numel() for p in plan.params)
         if current and (
-            plan.params[0].dtype != current[0].params[0].dtype or plan.params[0].device != current[0].params[0].device
+            plan.params[0].dtype != current[0].params[0].dtype
+            or plan.params[0].device != current[0].params[0].device
+            or held + numel > bucket_numel
         ):
             close()
+            held = 0
         current.append(plan)
-        if sum(p.numel() for c in current for p in c.params) >= bucket_numel:
-            close()
+        held += numel
     close()
     return buckets

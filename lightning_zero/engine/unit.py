@@ -575,8 +575,9 @@ class ShardedUnit:
         if check_finite:
             # The slot becomes NaN if this rank's gradients hold an inf or NaN: their sum is then inf or NaN, and so
             # is the sum times 0 (a sum of finite values that overflows does too, which only sends the step down
-            # the exact path). A sum, not a largest magnitude: on a CPU it reads the buffer ten times faster.
-            chunks[:, -1].add_(chunks[:, :-1].sum(dtype=torch.float32).mul_(0))
+            # the exact path). A sum, not a largest magnitude: on a CPU it reads the buffer ten times faster; of
+            # the whole buffer, slots included (0 or 1, finite), as one contiguous read.
+            chunks[:, -1].add_(flat_grad.sum(dtype=torch.float32).mul_(0))
         # The mean over ranks. Dividing the shard after summing costs 1/N of dividing the full buffer before,
         # and gives DDP's bits whenever N is a power of two (scaling by 2^-k commutes with rounding). In a
         # half-precision reduction, dividing first keeps the sum from overflowing, as DDP does. (A positive

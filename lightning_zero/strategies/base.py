@@ -135,9 +135,10 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         meta_init: Build the layers of ``LightningModule.configure_model`` on the ``meta`` device and create
             them one unit at a time, already sharded, with each module's ``reset_parameters()``, so that
             the full model never exists on one rank. Default: ``True`` for stage 3, ``False`` otherwise.
-        bucket_size_mb: Stages 1 and 2: units smaller than this are merged (in registration order) into
-            buckets of about this many megabytes (2^20 bytes), one reduce-scatter and one all-gather each,
-            as ``DDPStrategy``'s ``bucket_cap_mb``. Default: 25 without ``unit_modules``, no merging with it.
+        bucket_size_mb: Stages 1 and 2: units are merged (in registration order) into buckets of at most this
+            many megabytes (2^20 bytes; a larger unit stays alone), one reduce-scatter and one all-gather each,
+            as ``DDPStrategy``'s ``bucket_cap_mb`` caps its buckets. Default: 25 without ``unit_modules``, no
+            merging with it.
             Stage 3 gathers per unit, so its units follow ``unit_modules`` instead.
         prefetch: Stage 3: how many units ahead to all-gather while the current one computes (``0``: none),
             in the order recorded on the first training step. Default 1.
