@@ -549,6 +549,19 @@ class ShardedUnit:
             layout = self.layout
             self._reduce_plan = [_chunk_plan(width, o, n) for o, n in zip(layout.offsets, layout.numels)]
             self._reduce_plan.append(_chunk_plan(width, layout.numel, layout.padded_numel - layout.numel))
+        grads = [p.grad for p in self.params]
+        if self.layout.padded_numel <= _CONCATENATED_UP_TO and all(g is not None for g in grads):
+            # A small unit with every gradient: one concatenation and one copy into the chunks, two dispatches in
+            # place of a few per parameter (on a small model, the Python around them is most of the cost).
+            padding = self.layout.padded_numel - self.layout.numel
+            pieces = [g.reshape(-1) for g in grads]
+            if padding:
+                pieces.append(grads[0].new_zeros(padding))
+            chunks[:, :-1].copy_(torch.cat(pieces).view(self.layout.world_size, width - 1))
+            for param in self.params:
+                param.grad = None
+            everything = [True] * len(grads)
+            return self._issue_reduction(flat_grad, chunks, everything, False, check_finite, async_op, give_back)
         had_grad = []
         unused_here = False
         targets: list[torch.Tensor] = []
@@ -571,6 +584,20 @@ class ShardedUnit:
             torch._foreach_copy_(targets, sources)  # one dispatch for all the copies
         if zeroed:
             torch._foreach_zero_(zeroed)
+        return self._issue_reduction(flat_grad, chunks, had_grad, unused_here, check_finite, async_op, give_back)
+
+    def _issue_reduction(
+        self,
+        flat_grad: torch.Tensor,
+        chunks: torch.Tensor,
+        had_grad: list[bool],
+        unused_here: bool,
+        check_finite: bool,
+        async_op: bool,
+        give_back: Callable[[torch.Tensor], None] | None,
+    ) -> ReducedGrads:
+        """``reduce_grads`` once the gradients are in ``chunks``: the slots, the division, the reduce-scatter."""
+        width = chunks.shape[1]
         chunks[:, -1].fill_(1.0 if unused_here else 0.0)
         if check_finite:
             # The slot becomes NaN if this rank's gradients hold an inf or NaN: their sum is then inf or NaN, and so
@@ -684,6 +711,9 @@ def to_master(shard: torch.Tensor, unit: ShardedUnit) -> torch.Tensor:
 
 
 _Place = tuple[int, int, int, int, int]  # (start in the range, row, column, count, rows): see ``_chunk_plan``
+
+# Units of at most this many elements are packed for their reduction with one concatenation (see ``reduce_grads``).
+_CONCATENATED_UP_TO = 1 << 16
 
 
 def _chunk_plan(width: int, offset: int, numel: int) -> list[_Place]:
