@@ -488,40 +488,22 @@ class Comm:
                 output.copy_(shard)
             return Pending(self.stats, "all_gather", None) if async_op else None
         describe = self._checker._before("all_gather", name, output.numel(), guard)
+        gather, target, source = _all_gather_single, output, shard
         if self.rooted and output.numel() < _ONE_ALL_TO_ALL_BELOW:  # see [Note: gloo rooted collectives]
-            copies = shard.unsqueeze(0).expand(self.world_size, shard.numel()).contiguous()
-            return self._timed(
-                "all_gather",
-                self._ring_bytes(output),
-                describe,
-                dist.all_to_all_single,
-                output,
-                copies,
-                group=self.group,
-                async_op=async_op,
-            )
-        if self.rooted:
-            chunks = output.view(self.world_size, -1)
-            own = chunks[self.rank]
+            gather = dist.all_to_all_single
+            source = shard.unsqueeze(0).expand(self.world_size, shard.numel()).contiguous()
+        elif self.rooted:
+            gather, target = self._broadcasts, output.view(self.world_size, -1)
+            own = target[self.rank]
             if own.data_ptr() != shard.data_ptr():
                 own.copy_(shard)
-            return self._timed(
-                "all_gather",
-                self._ring_bytes(output),
-                describe,
-                self._broadcasts,
-                chunks,
-                shard,
-                group=self.group,
-                async_op=async_op,
-            )
         return self._timed(
             "all_gather",
             self._ring_bytes(output),
             describe,
-            _all_gather_single,
-            output,
-            shard,
+            gather,
+            target,
+            source,
             group=self.group,
             async_op=async_op,
         )

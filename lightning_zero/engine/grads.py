@@ -413,12 +413,13 @@ class GradReducer:
         device = self.order[0].device
         proposal = None if self.order_agreed else self._proposed_order()
         had = [flag for reduced in pending for flag in reduced.had_grad]
+        totals = torch.stack([r.total.to(device) for r in pending]) if self.check_finite else None
         if proposal is None:
             # The common case: the reductions' own slots say whether any rank left a parameter unused or (with
             # ``check_finite``) holds an inf or NaN (see [Note: which gradients exist]); one read on the host.
             parts = [r.unused_anywhere.float() for r in pending]
-            if self.check_finite:
-                parts.append(torch.stack([r.total.to(device) for r in pending]))
+            if totals is not None:
+                parts.append(totals)
             values = torch.cat(parts).tolist()
             slots, peaks = values[: len(pending)], values[len(pending) :]
             if all(slot == 0 for slot in slots):  # NaN and positive slots both fail this
@@ -439,10 +440,10 @@ class GradReducer:
         # ``ShardedUnit.grads_finite``; only when ``check_finite``), and, once, the hash of the recorded reduce
         # order (see [Note: reduce order]). Its ``tolist()`` is the step's one read on the host.
         parts = [torch.tensor(had, dtype=torch.uint8).to(device, non_blocking=True)]
-        if self.check_finite:
+        if totals is not None:
             # A sum is inf or NaN if any element is (and, rarely, when finite values overflow: that only sends the
             # check down its exact path); summed on the device before any copy to the host.
-            parts.append((~torch.isfinite(torch.stack([r.total.to(device) for r in pending]))).to(torch.uint8))
+            parts.append((~torch.isfinite(totals)).to(torch.uint8))
         if proposal is not None:
             parts.append(torch.tensor(_order_hash(self.units, proposal), dtype=torch.uint8).to(device))
         combined = torch.cat(parts)

@@ -567,8 +567,7 @@ class ShardedUnit:
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         zeroed = [_region(chunks, place) for place in self._reduce_plan[-1]]  # the padding
-        for param, plan in zip(self.params, self._reduce_plan):
-            grad = param.grad
+        for param, grad, plan in zip(self.params, grads, self._reduce_plan):
             had_grad.append(grad is not None)
             if grad is not None:
                 source = grad.reshape(-1)
