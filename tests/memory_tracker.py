@@ -70,9 +70,12 @@ def _key(t: torch.Tensor) -> int:
 
 
 def live_storages() -> dict[tuple[str, int], tuple[int, Any]]:
-    """Every tensor storage the Python heap reaches now (each once, any device): its bytes and a weak reference
-    to one tensor on it. Storages only C++ holds (DDP's own gradient buckets) are not seen, which flatters DDP,
-    the denominator."""
+    """Every tensor storage the Python heap reaches now (each once, any device): its bytes and the storage itself.
+    Storages only C++ holds (DDP's own gradient buckets) are not seen, which flatters DDP, the denominator.
+
+    The storages are held, not a weak reference to one tensor on each: a storage alive at ``before`` in
+    ``live_bytes_since`` must never count as new, and a weakly referenced tensor (a view, a placeholder) can die
+    while other tensors keep its storage alive, which then counted as new."""
     gc.collect()
     seen: dict[tuple[str, int], tuple[int, Any]] = {}
     tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
@@ -83,13 +86,13 @@ def live_storages() -> dict[tuple[str, int], tuple[int, Any]]:
             continue
         try:
             storage = tensor.untyped_storage()
-            seen[(str(tensor.device), storage.data_ptr())] = (storage.nbytes(), weakref.ref(tensor))
+            seen[(str(tensor.device), storage.data_ptr())] = (storage.nbytes(), storage)
         except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without storage (a marker)
             continue
     return seen
 
 
 def live_bytes_since(before: dict[tuple[str, int], tuple[int, Any]]) -> int:
-    """Bytes of every storage alive now (see ``live_storages``) but those already alive at ``before``."""
-    old = {key for key, (_, ref) in before.items() if ref() is not None}
-    return sum(size for key, (size, _) in live_storages().items() if key not in old)
+    """Bytes of every storage alive now (see ``live_storages``) but those already alive at ``before`` (which holds
+    them, so their addresses cannot be reused meanwhile)."""
+    return sum(size for key, (size, _) in live_storages().items() if key not in before)

@@ -29,10 +29,36 @@ def _alone(rank: int, world_size: int) -> dict[str, int]:
     comm.all_reduce(total)
     comm.end_sequence()
     assert full.tolist() == [0, 1, 2, 3] and shard.tolist() == [1, 1, 1, 1] and total.tolist() == [3, 3]
-    return {kind: comm.stats.calls(kind) for kind in ("all_gather", "reduce_scatter", "all_reduce", "check")}
+    calls = {kind: comm.stats.calls(kind) for kind in ("all_gather", "reduce_scatter", "all_reduce", "check")}
+
+    # A sequence opened at the step's agreement and named later (the gathers issued at a batch's start, see
+    # Comm.continue_sequence): on track while it matches the named key's reference, agreed from where it does not.
+    def step(number: int, key: str) -> int:
+        before = comm.stats.calls("check")
+        comm.agree_step([number], lambda: f"step {number}")
+        comm.begin_sequence("training", None, lambda: f"step {number}")
+        comm.all_gather(full, torch.arange(4.0), name="u", guard=True)
+        comm.continue_sequence(key, lambda: f"step {number}")
+        comm.reduce_scatter(shard, torch.ones(4), name="u")
+        comm.all_reduce(total)
+        return comm.stats.calls("check") - before
+
+    calls["same key"] = step(2, "training")  # the agreement only
+    calls["new key"] = step(3, "training (accumulating)")  # and the two collectives after the gather
+    calls["known key"] = step(4, "training (accumulating)")  # its reference now exists
+    comm.end_sequence()
+    return calls
 
 
 def test_a_comm_of_one_rank_runs_its_collectives_when_asked() -> None:
     (calls,) = spawn(_alone, world_size=1, timeout=120)
     # The first step of a key is agreed collective by collective: 1 for the step and 3 for its collectives.
-    assert calls == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 1, "check": 4}
+    assert calls == {
+        "all_gather": 1,
+        "reduce_scatter": 1,
+        "all_reduce": 1,
+        "check": 4,
+        "same key": 1,
+        "new key": 3,
+        "known key": 1,
+    }

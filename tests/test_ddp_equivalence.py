@@ -32,6 +32,17 @@ class LogsGradNorm(FinetuneNet):
         self.log_dict(grad_norm(self, norm_type=2))
 
 
+class HooksAtBatchStart(FinetuneNet):
+    """What a user's ``on_train_batch_start`` may do: give a weight new values by rebinding its ``.data`` (as
+    pruning does), and end the epoch early by returning -1. Stage 3 has the step's first gathers in flight
+    while it runs (see [Note: gathers at the start of a batch])."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        if self.current_epoch == 0 and batch_idx == 1:
+            self.head.weight.data = torch.full_like(self.head.weight, 0.01)
+        return -1 if self.current_epoch == 0 and batch_idx == 2 else None
+
+
 class LayerTypes(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.types = sorted({type(m).__name__ for m in pl_module.modules()})
@@ -69,6 +80,7 @@ CASES: dict[str, tuple[Any, dict, Any, dict]] = {
         {"max_epochs": 1, "sync_batchnorm": True},
     ),
     "grad_norm_utility": (LogsGradNorm, {}, lambda m: [], {"max_epochs": 1}),
+    "hooks_at_batch_start": (HooksAtBatchStart, {}, lambda m: [], {"max_epochs": 2}),
 }
 
 

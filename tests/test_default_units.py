@@ -139,3 +139,26 @@ def test_the_benchmark_gpt_gets_exactly_the_hand_chosen_block_units() -> None:
     model = BenchGPT(CONFIGS["default"])  # 25M parameters: over the small-model threshold
     by_hand = plan_units(model, module_class_policy(["Block"]))
     assert [(p.name, p.param_names) for p in plan_units(model)] == [(p.name, p.param_names) for p in by_hand]
+
+
+def test_stage_1_and_2_buckets_are_capped_at_bucket_size_like_ddp() -> None:
+    """Stages 1 and 2 merge units into buckets of at most ``bucket_numel`` elements, in registration order (DDP's
+    ``bucket_cap_mb``); a unit larger than the cap is a bucket of its own, and dtypes never share one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 16),  # 272 elements
+        nn.Linear(16, 16),  # 272
+        nn.Linear(16, 64),  # 1088: over the cap alone
+        nn.Linear(64, 4),  # 260
+        nn.Linear(4, 4),  # 20
+        nn.Linear(4, 4).double(),  # 20, another dtype
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    sharded = ShardedModel(model, stage=2, comm=Comm(), policy=owns_parameters, bucket_numel=600)
+    sizes = [sum(p.numel() for p in unit.params) for unit in sharded.units]
+    assert sizes == [544, 1088, 280, 20], sizes
+    assert [u.name for u in sharded.units] == ["0..1", "2", "3..4", "5"]
+    # Every parameter is in exactly one bucket, in registration order, with its values.
+    assert [p for u in sharded.units for p in u.params] == list(model.parameters())
+    for param, value in zip(model.parameters(), before):
+        assert torch.equal(param.detach(), value)

@@ -155,7 +155,15 @@ def _zero_grad_semantics(rank: int, world_size: int) -> None:
             model.up.weight.detach().zero_()  # a fill is not refused by PyTorch, but it is seen before it is lost:
             with pytest.raises(ShardedParameterWriteError, match=r"'up\.weight' \(unit 'up'\) was written"):
                 model.up(torch.randn(2, 8))
-            sharded.units[[u.name for u in sharded.units].index("up")].record_hidden_versions()
+            up = sharded.units[[u.name for u in sharded.units].index("up")]
+            up.record_hidden_versions()
+            # ...also when a step starts after it (the step's start takes over rebound .data, and must not take
+            # the fill for one).
+            model.up.weight.detach().zero_()
+            with pytest.raises(ShardedParameterWriteError, match=r"'up\.weight' \(unit 'up'\) was written"):
+                with sharded.step_context():
+                    model(torch.randint(0, 11, (4, 5), generator=data))
+            up.record_hidden_versions()
         sharded.release()
         for mine, theirs in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-6)

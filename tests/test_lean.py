@@ -357,9 +357,10 @@ class LiveBeforeStep(Callback):
         if trainer.global_step in (2, 3):
             # gloo's worker thread may still hold a finished collective's tensors for a moment after ``wait()``
             # returned (a loaded machine deschedules it): the least of a few looks 10 ms apart is what we keep. Two
-            # steps, the less of the two: with one step, about one run in four (with the gloo collectives of before
-            # 2026-12-01 as with today's) counted one extra tensor the size of a gradient shard or of the
-            # parameters, not yet explained; a retention that lasts shows at both steps and still fails here.
+            # steps, the less of the two: one tensor more is often alive at one of them, nearly always the later,
+            # the size of the parameters under DDP and of a gradient shard under ZeRO (30 of 64 readings on
+            # 2026-12-01, 26 of them at the later step, DDP's included: not the engine's; not explained). A
+            # retention that lasts shows at both steps and still fails here.
             samples = []
             for _ in range(5):
                 samples.append(live_bytes_since(self.before))

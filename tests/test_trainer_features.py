@@ -232,7 +232,11 @@ class _MLP(L.LightningModule):
 
 
 class _StepAccounting(Callback):
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+    """What one training step sends, counted from the end of the previous step: stage 3 issues the step's first
+    gathers at its agreement, before the batch is fetched and ``on_train_batch_start`` runs (see
+    [Note: gathers at the start of a batch])."""
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
         trainer.strategy.sharded_model.comm.stats.reset()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
@@ -240,6 +244,7 @@ class _StepAccounting(Callback):
         self.stats = sharded.comm.stats.as_dict()
         self.memory = sharded.memory_stats()
         self.units = [(u.layout.padded_numel, u.layout.shard_numel) for u in sharded.units]
+        sharded.comm.stats.reset()
 
 
 def _accounting(rank: int, world_size: int) -> None:

@@ -351,6 +351,21 @@ class Comm:
         self._sequence = []
         self._on_track = self.checks == "auto" and key in self._references
 
+    def continue_sequence(self, key: str, describe: Callable[[], str]) -> None:
+        """Go on with the sequence opened by ``begin_sequence(..., None, ...)`` right after the step's agreement,
+        now known to be a step of ``key`` (the collectives issued so far, at the start of a training batch,
+        are compared with ``key``'s reference from here on); begin one if nothing is open (something in between
+        agreed an event and ended it)."""
+        if self._key is None:
+            self.begin_sequence(key, None, describe)
+            return
+        if key == self._key:
+            return
+        self._key = key
+        reference = self._references.get(key)
+        issued = len(self._sequence)
+        self._on_track = self._on_track and reference is not None and reference[:issued] == self._sequence[:issued]
+
     def agree_step(self, row: list[int], describe: Callable[[], str], shared: int = 0) -> list[int] | None:
         """Agree that every rank is about to start the step ``row`` describes (ends the current sequence).
         Returns every rank's ``shared`` (carried along, not compared; see ``ControlChannel.agree``), or ``None``

@@ -222,8 +222,10 @@ class GradReducer:
         self._expected: dict[ShardedUnit, int] = {}  # per backward: parameters that require a gradient now
         # See [Note: gradient markers]: each parameter's marker, and the parameters whose marker was intact
         # when a new gradient arrived (their sharded gradient accumulates).
-        self._markers: dict[nn.Parameter, GradMarker] = {}
-        self._carry: set[nn.Parameter] = set()
+        # Keyed by ``id(param)``: a tensor's own ``__hash__`` is a Python call, and these are looked up per
+        # parameter per step. Every key is a parameter of ``units``, alive as long as this reducer.
+        self._markers: dict[int, GradMarker] = {}
+        self._carry: set[int] = set()
 
     # ------------------------------------------------------------------ hooks
     def install(self) -> None:
@@ -266,19 +268,19 @@ class GradReducer:
         marker = param.grad
         if isinstance(marker, GradMarker):
             if not marker.zeroed:
-                self._carry.add(param)
+                self._carry.add(id(param))
             param.grad = None
 
     def put_marker(self, param: nn.Parameter) -> None:
         """Show that ``param`` has a sharded gradient (``param.grad`` becomes its marker)."""
-        marker = self._markers.get(param)
+        marker = self._markers.get(id(param))
         if (
             marker is None
             or marker.shape != param.shape
             or marker.dtype != param.dtype
             or marker.device != param.device
         ):
-            marker = self._markers[param] = GradMarker(param)
+            marker = self._markers[id(param)] = GradMarker(param)
         marker.zeroed = False
         param.grad = marker
 
@@ -290,12 +292,12 @@ class GradReducer:
         """Whether ``param``'s sharded gradient is still wanted: its marker was neither removed nor zeroed by
         ``zero_grad()`` (or was taken off intact by this backward pass)."""
         marker = param.grad
-        return (isinstance(marker, GradMarker) and not marker.zeroed) or param in self._carry
+        return (isinstance(marker, GradMarker) and not marker.zeroed) or id(param) in self._carry
 
     def clear_marker(self, param: nn.Parameter) -> None:
         if isinstance(param.grad, GradMarker):
             param.grad = None
-        self._carry.discard(param)
+        self._carry.discard(id(param))
 
     def queue_finish(self) -> None:
         """Make sure ``finish_backward`` runs once, when the current (outermost) backward pass ends."""
@@ -338,7 +340,7 @@ class GradReducer:
             return
         for param, shard_param in zip(unit.params, unit.shard_params):
             self._take_marker(param)  # of a parameter this backward did not reach
-            if param not in self._carry:
+            if id(param) not in self._carry:
                 shard_param.grad = None  # zeroed by the user: free it before the new one arrives
         size = _buffer_bytes(unit)
         while self._in_flight and self._in_flight_bytes() + size > self.max_in_flight_bytes:
@@ -467,15 +469,13 @@ class GradReducer:
     def _attach(self, pending: list[_Reduced], used: list[Any], nonfinite_anywhere: list[Any] | None) -> None:
         """Hand each reduced shard to the ``shard_params`` whose parameter some rank used (``used``, one entry
         per parameter of ``pending``'s units, in order); record ``grads_finite`` where it is known."""
-        params = [p for reduced in pending for p in reduced.unit.params]
-        carry = {p: self.has_marker(p) for p in params}
         position = 0
         for number, reduced in enumerate(pending):
             unit, shard_grad = reduced.unit, reduced.shard
             for param, shard_param in zip(unit.params, unit.shard_params):
-                if not carry[param]:  # zeroed by the user since the last reduction
+                if not self.has_marker(param):  # zeroed by the user since the last reduction
                     shard_param.grad = None
-                self._carry.discard(param)
+                self._carry.discard(id(param))
             fresh = all(sp.grad is None for sp, p in zip(unit.shard_params, unit.params) if p.requires_grad)
             # Known exactly only when checked and these gradients are not added to earlier ones (accumulation).
             unit.grads_finite = not nonfinite_anywhere[number] if fresh and nonfinite_anywhere is not None else None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections import defaultdict
+from collections.abc import Set as AbstractSet
 
 import torch
 from torch import nn
@@ -93,20 +94,21 @@ def bind_optimizer(optimizer: Optimizer, shards: dict[nn.Parameter, tuple[nn.Par
     which slice of the flattened parameter it holds.
     """
     check_elementwise(optimizer)
-    check_optimizer_params(optimizer, shards)
+    check_optimizer_params(optimizer, {id(p) for p in shards})
     old_state = optimizer.state
     optimizer.state = defaultdict(dict)
     for param, state in old_state.items():
         optimizer.state[param] = {k: slice_state(k, v, param, shards[param][1]) for k, v in state.items()}
 
 
-def check_optimizer_params(optimizer: Optimizer, shards: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]]) -> None:
-    """Raise ``ValueError`` if a param group holds a tensor that is not a parameter of the sharded module, or
+def check_optimizer_params(optimizer: Optimizer, known: AbstractSet[int]) -> None:
+    """Raise ``ValueError`` if a param group holds a tensor that is not a parameter of the sharded module (whose
+    ``id``s are ``known``; ids, not the tensors, so that no tensor ``__hash__`` runs: this runs every step), or
     one parameter twice."""
     seen: set[int] = set()
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if param not in shards:
+            if id(param) not in known:
                 raise ValueError(
                     f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that is not a "
                     "parameter of the LightningModule. configure_optimizers must only use self.parameters()."

@@ -149,12 +149,17 @@ class ShardedModel:
                 # Keyed by both: optimizers hold the module's parameters, the engine's own code shard ones.
                 self._param_of[shard_param] = self._param_of[param] = (param, piece)
                 self._unit_of[shard_param] = self._unit_of[param] = unit
+        self._own_ids = frozenset(id(p) for p in self._shard_of)  # the module's parameters (optimizers hold them)
         # [Note: buffer broadcast] DDP copies rank 0's buffers (BatchNorm statistics) to every rank before a forward
         # through its wrapper, but only when the previous such forward ran with gradients and synchronised them:
         # not after a no_sync micro-batch of gradient accumulation, nor after an evaluation forward, and so on the
         # first validation step after training. Lightning routes training, validation, test and predict steps
         # through the wrapper; ``begin_step`` follows the same rule, so every rank ends with DDP's buffers.
         self._forward_syncs_buffers = True
+        # As DDP (``will_sync_module_buffers``): a module without buffers when it is wrapped never looks for them
+        # again (a walk over every submodule per step saved); one with buffers collects them at every broadcast,
+        # since user code may reassign them.
+        self._has_buffers = any(b is not None for b in module.buffers())
         self.loader = ShardLoader(self.units)
         self.loader.install(module)
         self.state_dict_gatherer = StateDictGatherer(self.units)
@@ -175,6 +180,8 @@ class ShardedModel:
             self.reducer.after_backward = self.stage3.after_backward
             self.stage3.install()
         self.reducer.install()
+        # Every parameter, once, in an order that is the same on every rank (unit by unit).
+        self.params: list[nn.Parameter] = [p for unit in self.units for p in unit.params]
         self.optimizers: list[Optimizer] = []
         self._units_of_cache: dict[int, tuple[tuple[int, ...], list[ShardedUnit]]] = {}
         self._step_hooks: dict[int, list[Any]] = {}
@@ -207,6 +214,46 @@ class ShardedModel:
                 self.stage3.hold(self.root_unit)
             self.stage3.begin_forward(training and torch.is_grad_enabled())
 
+    def gather_for_next_step(self) -> None:
+        """Issue, without waiting, the all-gathers a training step begins with (stage 3: the root unit and the
+        first units of the recorded forward), right after every rank agreed to start it.
+
+        [Note: gathers at the start of a batch]
+        A training step of stage 3 begins by waiting for the root unit's all-gather (``begin_step`` holds it):
+        on a small model, an exchange more than DDP has on its step path. The Trainer's strategies agree on
+        every training step
+        before the batch is fetched (see [Note: the start of a training batch] in
+        ``strategies/agreement.py``); from there to ``training_step`` come the fetch, the transfer to the
+        device and the ``on_train_batch_start`` hooks. The gathers are issued at the agreement, so that they
+        travel during that time, and ``begin_step`` then finds them done (measured on the GPT-2 of the real-model
+        matrix, 2 CPU processes: ``begin_step`` 1.2-1.7 ms -> 0.5-0.6 ms per step; there the two processes share
+        two cores, and the step as a whole does not clearly shorten). Issued only *after* the agreement
+        has answered: every rank is then known to start this training step, so every rank issues the same
+        gathers (a gather issued before would pair with whatever another rank does next if the ranks had
+        parted ways). They are collectives of the step's sequence (``Comm.begin_sequence`` is called at the
+        agreement) and are checked like the step's other collectives.
+
+        Until ``begin_step`` waits for them, the parameters stay placeholders (``ShardedUnit.wait_gather``
+        shows the values only when it is waited for), so the hooks in between see what they saw before.
+        What those hooks may do to a parameter is caught as before: an in-place write into a placeholder
+        raises when the gather is waited for (``check_no_hidden_writes`` runs there too), and values given
+        by rebinding ``.data`` are copied into the gathered buffer as well as into the shard
+        (``adopt_rebound_data``). If the step does not follow (``on_train_batch_start`` returned -1, the data
+        ran out, a hook raised), the gathered units are freed when the next step ends, or by
+        ``free_unused_units`` (the end of training). On CUDA the gathers run on the communication stream,
+        as prefetches do: nothing here waits for the device.
+        """
+        if self.stage3 is None or not torch.is_grad_enabled():
+            return
+        if self.root_unit is not None:
+            self.root_unit.unshard(async_op=True)
+        self.stage3.prefetch_first(training=True)
+
+    def free_unused_units(self) -> None:
+        """Free units gathered but not used by a step (see [Note: gathers at the start of a batch])."""
+        if self.stage3 is not None and not self.stage3.held and not self.stage3.in_backward:
+            self.stage3.free_unused()
+
     def adopt_rebound_data(self) -> None:
         """Keep parameters whose ``.data`` user code rebound training (see ``ShardedUnit.adopt_rebound_data``)."""
         for unit in self.units:
@@ -231,9 +278,9 @@ class ShardedModel:
 
     def _sync_buffers(self) -> None:
         """Broadcast rank 0's buffers (one collective per dtype), as DDP's ``broadcast_buffers``."""
-        buffers = [b for b in self.module.buffers() if b is not None]
-        if not self.broadcast_buffers or not buffers or self.comm.world_size == 1:
+        if not self.broadcast_buffers or not self._has_buffers or self.comm.world_size == 1:
             return
+        buffers = [b for b in self.module.buffers() if b is not None]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for buf in buffers:
             by_dtype.setdefault(buf.dtype, []).append(buf)
@@ -289,7 +336,7 @@ class ShardedModel:
             self._exit_shards()
 
     def _enter_shards(self, optimizer: Optimizer) -> None:
-        check_optimizer_params(optimizer, self._shard_of)  # e.g. add_param_group with a foreign tensor
+        check_optimizer_params(optimizer, self._own_ids)  # e.g. add_param_group with a foreign tensor
         reducer = self.reducer
         saved = []
         self._on_shards_units = self.units_of(optimizer)
@@ -343,7 +390,7 @@ class ShardedModel:
         return units
 
     def _find_units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
-        check_optimizer_params(optimizer, self._shard_of)
+        check_optimizer_params(optimizer, self._own_ids)
         stepped = {id(self._unit_of[p]) for group in optimizer.param_groups for p in group["params"]}
         return [u for u in self.units if id(u) in stepped]
 

@@ -167,6 +167,14 @@ class Stage3Hooks:
             self._open_inputs.clear()
         self._prefetch(self._pass_order.start())
 
+    def prefetch_first(self, training: bool) -> None:
+        """Issue the gathers of the first units of the recorded forward of training (or evaluation), before the
+        step begins (see [Note: gathers at the start of a batch] in ``sharded_model.py``); nothing before the
+        order is recorded."""
+        order = self.forward_order if training else self.eval_order
+        if order.recorded is not None:
+            self._prefetch(order.recorded)
+
     def _prefetch(self, upcoming: list[ShardedUnit]) -> None:
         for unit in upcoming[: self.prefetch]:
             if unit not in self.held:
@@ -248,9 +256,9 @@ class Stage3Hooks:
         for unit in self.in_backward - self.held:
             unit.reshard()
         self.in_backward.clear()
-        self._free_unused()
+        self.free_unused()
 
-    def _free_unused(self) -> None:
+    def free_unused(self) -> None:
         """Units gathered but not in use (prefetched for a pass that went elsewhere, kept after forward)."""
         for unit in self.units:
             if unit.is_unsharded and unit not in self.held and unit not in self.in_backward:
@@ -264,7 +272,7 @@ class Stage3Hooks:
         self._pass_order = None
         self._training = False
         if not self.in_backward:
-            self._free_unused()
+            self.free_unused()
 
     def hold(self, unit: ShardedUnit) -> None:
         """Gather ``unit`` and keep it gathered until ``unhold`` (the root unit during a step)."""

@@ -330,6 +330,8 @@ class ShardedUnit:
         """Wait for a prefetching all-gather, if one is in flight; the parameters then show its values."""
         self._finish_gather()
         if self.state is UnitState.UNSHARDED and not self._exposed:
+            # Issued ahead (a prefetch, or at the start of a batch): user code ran in between.
+            self.check_no_hidden_writes()
             self._set_param_data(self._views)
             self._exposed = True
 
@@ -368,6 +370,7 @@ class ShardedUnit:
         from the unit: the values go into the flat buffer and this rank's master piece, and the parameter
         points where it should again. Local (no collective); cheap when nothing was rebound."""
         expected = self._views if self._exposed else self._placeholders
+        adopted = False
         for index, (param, want) in enumerate(zip(self.params, expected)):
             if param.data_ptr() == want.data_ptr() or param.numel() == 0:
                 continue
@@ -380,9 +383,11 @@ class ShardedUnit:
                     f"(param.data = ...), but it was sharded with shape {tuple(want.shape)}: ZeRO cannot change a "
                     "parameter's shape during training. Keep the shape, or rebuild the model before fit."
                 )
+            adopted = True
             with torch.no_grad():
-                if self._exposed:
-                    want.copy_(new)
+                if self.state is UnitState.UNSHARDED:  # gathered, or being gathered ahead of its use: the new
+                    self._finish_gather()  # values go into the gathered buffer too, once the gather is done
+                    self._views[index].copy_(new)
                 piece = self.param_shards[index]
                 if piece.numel:
                     values = new.reshape(-1)[piece.param_offset : piece.param_offset + piece.numel]
@@ -396,7 +401,7 @@ class ShardedUnit:
             # tensor ``x`` of ``p.data = x``) sees it train: ``refresh_aliases`` keeps that true here.
             self.keep_alias(index, new)
             param.data = want
-        if not self._exposed:
+        if adopted and not self._exposed:  # (only then: re-recording would hide a write made into a placeholder)
             self.record_hidden_versions()
 
     def keep_alias(self, index: int, memory: torch.Tensor) -> None:
@@ -454,9 +459,9 @@ class ShardedUnit:
         collective. What cannot be rebuilt alone (stage-3 parameters, or master values that only exist
         as shards under mixed precision) becomes NaN, loud rather than silently wrong; reload it from a
         checkpoint."""
-        if self._gathering is not None:  # a prefetch whose peers may be gone: never waited for
-            self._gathering = None
-        lost = self.state is UnitState.SHARDED or self.separate_master
+        # A gather issued ahead whose peers may be gone is never waited for, and what it wrote is not trusted.
+        lost = self.state is UnitState.SHARDED or not self._exposed or self.separate_master
+        self._gathering = None
         with torch.no_grad():
             for param, view in zip(self.params, self._views):
                 if lost:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 _PHASES = ("training", "validation", "sanity check", "test", "predict", "step")
 
 
-def trainable_hash(module: Module) -> int:
-    """A number that differs between ranks whose modules differ in which parameters require a gradient."""
-    return zlib.crc32(bytes(int(p.requires_grad) for p in module.parameters()))
+def trainable_hash(params: Iterable[Tensor]) -> int:
+    """A number that differs between ranks whose parameters (``module.parameters()``, or the sharded model's
+    ``params``: any order that is the same on every rank) differ in which require a gradient."""
+    return zlib.crc32(bytes(int(p.requires_grad) for p in params))
 
 
 def agree_on_trainable_set(comm: Comm, module: Module) -> None:
@@ -50,7 +51,7 @@ def agree_on_trainable_set(comm: Comm, module: Module) -> None:
         describe,
         len(names),
         len(frozen),
-        trainable_hash(module),
+        trainable_hash(module.parameters()),
         explain=lambda texts: (
             "The model must be the same on every rank, with the same parameters requiring a gradient, as "
             "DDPStrategy requires: set requires_grad (freeze layers) identically on every rank, before fit."
@@ -58,9 +59,11 @@ def agree_on_trainable_set(comm: Comm, module: Module) -> None:
     )
 
 
-def _training_row(trainer: Any, module: Module, step: int, batch_idx: int) -> tuple[list[int], Callable[[], str]]:
+def _training_row(
+    trainer: Any, params: Sequence[Tensor], step: int, batch_idx: int
+) -> tuple[list[int], Callable[[], str]]:
     epoch = int(getattr(trainer, "current_epoch", 0))
-    trainable = trainable_hash(module)
+    trainable = trainable_hash(params)
 
     def describe() -> str:
         return f"training step {step} (epoch {epoch}, batch_idx {batch_idx}, trainable set #{trainable:08x})"
@@ -69,26 +72,34 @@ def _training_row(trainer: Any, module: Module, step: int, batch_idx: int) -> tu
 
 
 def before_training_batch(
-    comm: Comm, trainer: Any, module: Module, step: int, sigterm: bool = False
+    comm: Comm, trainer: Any, params: Sequence[Tensor], step: int, sigterm: bool = False
 ) -> tuple[Callable[[], str], bool | None]:
     """Agree on the training step every rank is about to start, before the batch is fetched (see
     ``wrap_batch_start``); returns the step's description, for ``begin_training_step``, and whether any rank
     has ``sigterm`` set (carried in the agreement; ``None`` if checks are off and nothing was exchanged)."""
-    row, describe = _training_row(trainer, module, step, _batch_in_epoch(trainer))
+    row, describe = _training_row(trainer, params, step, _batch_in_epoch(trainer))
     shared = comm.agree_step(row, describe, shared=int(sigterm))
+    # The step's sequence starts here, so that the gathers issued at the batch's start are part of it (see
+    # [Note: gathers at the start of a batch] in engine/sharded_model.py); ``begin_training_step`` names its key.
+    comm.begin_sequence("training", None, describe)
     return describe, None if shared is None else any(shared)
 
 
 def begin_training_step(
-    comm: Comm, trainer: Any, module: Module, accumulating: bool, step: int, agreed: Callable[[], str] | None
+    comm: Comm,
+    trainer: Any,
+    params: Sequence[Tensor],
+    accumulating: bool,
+    step: int,
+    agreed: Callable[[], str] | None,
 ) -> None:
     """Start the sequence of training step ``step`` (counted since setup); agree on it first unless
     ``before_training_batch`` already did (``agreed``: the description it returned)."""
     key = "training (accumulating)" if accumulating else "training"
     if agreed is not None:
-        comm.begin_sequence(key, None, agreed)
+        comm.continue_sequence(key, agreed)
         return
-    row, describe = _training_row(trainer, module, step, _batch_in_epoch(trainer) - 1)
+    row, describe = _training_row(trainer, params, step, _batch_in_epoch(trainer) - 1)
     comm.begin_sequence(key, row, describe)
 
 

@@ -449,7 +449,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         accumulating = self.sharded_model.reducer.no_sync_requested
         agreed = self._agreed_step[1] if self._agreed_step is not None and self._agreed_step[0] == step else None
         self._agreed_step = None
-        agreement.begin_training_step(self.sharded_model.comm, module.trainer, module, accumulating, step, agreed)
+        sharded = self.sharded_model
+        agreement.begin_training_step(sharded.comm, module.trainer, sharded.params, accumulating, step, agreed)
         self.sharded_model.begin_step()
         try:
             return super().training_step(*args, **kwargs)
@@ -498,11 +499,18 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         step = self._steps.get("training", 0) + 1
-        describe, sigterm = agreement.before_training_batch(
-            self.sharded_model.comm, module.trainer, module, step, sigterm
-        )
+        sharded = self.sharded_model
+        describe, sigterm = agreement.before_training_batch(sharded.comm, module.trainer, sharded.params, step, sigterm)
         self._agreed_step = (step, describe)
+        if sigterm is False:  # every rank starts this training step: see [Note: gathers at the start of a batch]
+            sharded.gather_for_next_step()
         return sigterm
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._sharded is not None:  # gathered for a batch that was then skipped (see gather_for_next_step)
+            self._sharded.free_unused_units()
 
     def _count_step(self, phase: str) -> int:
         self._steps[phase] = self._steps.get(phase, 0) + 1
