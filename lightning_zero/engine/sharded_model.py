@@ -221,17 +221,17 @@ class ShardedModel:
         [Note: gathers at the start of a batch]
         A training step of stage 3 begins by waiting for the root unit's all-gather (``begin_step`` holds it):
         on a small model, an exchange more than DDP has on its step path. The Trainer's strategies agree on
-        every training step
-        before the batch is fetched (see [Note: the start of a training batch] in
+        every training step before the batch is fetched (see [Note: the start of a training batch] in
         ``strategies/agreement.py``); from there to ``training_step`` come the fetch, the transfer to the
         device and the ``on_train_batch_start`` hooks. The gathers are issued at the agreement, so that they
-        travel during that time, and ``begin_step`` then finds them done (measured on the GPT-2 of the real-model
-        matrix, 2 CPU processes: ``begin_step`` 1.2-1.7 ms -> 0.5-0.6 ms per step; there the two processes share
-        two cores, and the step as a whole does not clearly shorten). Issued only *after* the agreement
-        has answered: every rank is then known to start this training step, so every rank issues the same
-        gathers (a gather issued before would pair with whatever another rank does next if the ranks had
-        parted ways). They are collectives of the step's sequence (``Comm.begin_sequence`` is called at the
-        agreement) and are checked like the step's other collectives.
+        travel during that time, and ``begin_step`` then finds them done (measured on the GPT-2 of the
+        real-model matrix, 2 CPU processes: ``begin_step`` 1.2-1.7 ms -> 0.5-0.6 ms per step; there the two
+        processes share two cores, and the step as a whole does not clearly shorten). Issued only *after* the
+        agreement has answered: every rank is then known to start this training step, so every rank issues
+        the same gathers (a gather issued before would pair with whatever another rank does next if the
+        ranks had parted ways). They are collectives of the step's sequence (``Comm.begin_sequence`` is
+        called at the agreement, ``Comm.continue_sequence`` names its key in ``training_step``) and are
+        checked like the step's other collectives.
 
         Until ``begin_step`` waits for them, the parameters stay placeholders (``ShardedUnit.wait_gather``
         shows the values only when it is waited for), so the hooks in between see what they saw before.
