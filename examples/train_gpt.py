@@ -364,15 +364,24 @@ class ShardingSummary(Callback):
         self.train_bytes = 0
         self.train_comm_seconds = 0.0
 
-    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        if isinstance(trainer.strategy, ZeROStrategy):  # training steps only, not validation
+    # A training step's communication is counted from the end of the step before it (or of validation): stage 3
+    # issues a step's first gathers when the batch starts, before on_train_batch_start runs.
+    def _mark(self, trainer: L.Trainer) -> None:
+        if isinstance(trainer.strategy, ZeROStrategy):
             self._before = trainer.strategy.sharded_model.comm.stats.snapshot()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark(trainer)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark(trainer)  # validation during fit is not a training step's
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if isinstance(trainer.strategy, ZeROStrategy):
             step = trainer.strategy.sharded_model.comm.stats.since(self._before)
             self.train_bytes += step.bytes_sent
             self.train_comm_seconds += sum(s.seconds for s in step.by_kind.values())
+        self._mark(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not isinstance(trainer.strategy, ZeROStrategy) or trainer.global_step == 0:
