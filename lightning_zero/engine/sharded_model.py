@@ -247,11 +247,11 @@ class ShardedModel:
             return
         if self.root_unit is not None:
             self.root_unit.unshard(async_op=True)
-        self.stage3.prefetch_first(training=True)
+        self.stage3.prefetch_first()
 
     def free_unused_units(self) -> None:
         """Free units gathered but not used by a step (see [Note: gathers at the start of a batch])."""
-        if self.stage3 is not None and not self.stage3.held and not self.stage3.in_backward:
+        if self.stage3 is not None:  # (held units and units backward still needs are kept)
             self.stage3.free_unused()
 
     def adopt_rebound_data(self) -> None:

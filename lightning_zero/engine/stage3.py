@@ -167,13 +167,11 @@ class Stage3Hooks:
             self._open_inputs.clear()
         self._prefetch(self._pass_order.start())
 
-    def prefetch_first(self, training: bool) -> None:
-        """Issue the gathers of the first units of the recorded forward of training (or evaluation), before the
-        step begins (see [Note: gathers at the start of a batch] in ``sharded_model.py``); nothing before the
-        order is recorded."""
-        order = self.forward_order if training else self.eval_order
-        if order.recorded is not None:
-            self._prefetch(order.recorded)
+    def prefetch_first(self) -> None:
+        """Issue the gathers of the first units of the recorded training forward, before the step begins (see
+        [Note: gathers at the start of a batch] in ``sharded_model.py``); nothing before the order is recorded."""
+        if self.forward_order.recorded is not None:
+            self._prefetch(self.forward_order.recorded)
 
     def _prefetch(self, upcoming: list[ShardedUnit]) -> None:
         for unit in upcoming[: self.prefetch]:
