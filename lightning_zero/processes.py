@@ -42,8 +42,18 @@ class LeaveBroken:
 
 
 def _worker(
-    rank: int, world_size: int, init_file: str, port: int, fn: Callable[..., Any], kwargs: dict, results: Any
+    rank: int,
+    world_size: int,
+    init_file: str,
+    port: int,
+    fn: Callable[..., Any],
+    kwargs: dict,
+    results: Any,
+    environ: dict[str, str],
 ) -> None:
+    if os.environ != environ:  # a forkserver's child starts with the server's environment, not the caller's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -76,11 +86,19 @@ def _worker(
 
 
 def run_on_cpu_ranks(
-    fn: Callable[..., Any], world_size: int, timeout: float = 300.0, name: str | None = None, **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    timeout: float = 300.0,
+    name: str | None = None,
+    start_method: str = "spawn",
+    **kwargs: Any,
 ) -> list[Any]:
     """``fn(rank, world_size, **kwargs)`` on ``world_size`` CPU processes; every rank's value, by rank.
 
-    ``fn`` and ``kwargs`` must be picklable (a module-level function). Example::
+    ``fn`` and ``kwargs`` must be picklable (a module-level function). ``start_method`` is a
+    ``multiprocessing`` start method: ``"spawn"`` (fresh interpreters) or ``"forkserver"`` (forks
+    of a server that can import the heavy modules once, see ``set_forkserver_preload``); every rank
+    gets the caller's environment variables of the moment either way. Example::
 
         def world(rank: int, world_size: int) -> int:
             return torch.distributed.get_world_size()
@@ -88,7 +106,7 @@ def run_on_cpu_ranks(
         assert run_on_cpu_ranks(world, 2) == [2, 2]
     """
     label = name or getattr(fn, "__name__", "run_on_cpu_ranks")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     values: dict[int, Any] = {}
     with tempfile.TemporaryDirectory(prefix="lightning_zero_ranks_") as tmp:
@@ -96,7 +114,7 @@ def run_on_cpu_ranks(
         port = free_port()
         # Not daemonic: a DataLoader in fn may start worker processes of its own.
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, port, fn, kwargs, results))
+            ctx.Process(target=_worker, args=(r, world_size, init_file, port, fn, kwargs, results, dict(os.environ)))
             for r in range(world_size)
         ]
         try:
