@@ -98,6 +98,9 @@ class ControlChannel:
         self._token = 0
         self.broken = False  # a deadlock was found: collectives may be left in flight on this group
         self.bytes_sent = 0
+        # Every rank's row of the last agreement; reused by the next one, and ``None`` while an agreement is in
+        # flight (one that raised may leave its collective running: the next agreement takes a new buffer).
+        self._everyone: torch.Tensor | None = None
         self.verdict: str | None = None  # a deadlock or failure the monitor found while the main thread was blocked
         self._lock = threading.Lock()  # the store client is shared with the monitor thread
         self._in_wait = False
@@ -145,19 +148,26 @@ class ControlChannel:
         ``CollectiveMismatchError`` on every rank with each rank's ``describe()`` and ``explain``'s advice.
         ``shared`` travels along without being compared: every rank's value is returned (e.g. a flag that rank
         0 announces to the others, so that it needs no exchange of its own)."""
-        mine = torch.zeros(ROW + 1, dtype=torch.int64)
-        mine[: len(row)] = torch.tensor([int(v) & 0x7FFFFFFFFFFFFFFF for v in row], dtype=torch.int64)
-        mine[ROW] = int(shared)
-        everyone = torch.empty((ROW + 1) * self.world_size, dtype=torch.int64)
+        if len(row) > ROW:
+            raise ValueError(f"an agreement row holds at most {ROW} integers, got {len(row)}")
+        # Built and compared as Python lists: a tensor operation costs microseconds of dispatch, and this runs once
+        # per step.
+        values = [int(v) & 0x7FFFFFFFFFFFFFFF for v in row]
+        mine = torch.tensor([*values, *[0] * (ROW - len(values)), int(shared)], dtype=torch.int64)
+        everyone, self._everyone = self._everyone, None
+        if everyone is None:
+            everyone = torch.empty((ROW + 1) * self.world_size, dtype=torch.int64)
         index = self.issued["side"]
         self.issued["side"] += 1
         self.bytes_sent += everyone.numel() * 8 * (self.world_size - 1) // self.world_size
         work = _all_gather_single(everyone, mine, group=self.group, async_op=True)
         self.wait(work, "side", index, lambda: f"waiting for the other ranks to agree on: {describe()}")
-        table = everyone.view(self.world_size, ROW + 1)
-        rows = table[:, :ROW]
-        if bool((rows == rows[0]).all()):
-            return table[:, ROW].tolist()
+        self._everyone = everyone
+        table = everyone.tolist()
+        width = ROW + 1
+        rows = [table[q * width : q * width + ROW] for q in range(self.world_size)]
+        if all(other == rows[0] for other in rows[1:]):
+            return [table[q * width + ROW] for q in range(self.world_size)]
         texts: list[Any] = [None] * self.world_size
         self.issued["side"] += 1
         dist.all_gather_object(texts, describe(), group=self.group)
