@@ -1,4 +1,5 @@
-"""``python -m benchmarks.run`` runs end to end (tiny model, 2 steps) and our stages agree with DDP."""
+"""``python -m benchmarks.run`` runs end to end (tiny model, 2 steps) and our stages agree with DDP; the one-GPU
+check runs its logic on the CPU, so that it works the day a GPU is lent."""
 
 from __future__ import annotations
 
@@ -82,3 +83,22 @@ def test_paired_ratio_is_the_median_of_ratios_within_repeats() -> None:
 
     assert paired_ratio([1.2, 2.4, 1.3], [1.0, 2.0, 1.0]) == 1.2
     assert paired_ratio([3.0], [2.0]) == 1.5
+
+
+def test_gpu_check_dry_run_trains_every_variant_like_plain_training(tmp_path: Path) -> None:
+    """``benchmarks/gpu_check.py --dry-run``: the same variants, precisions and report as on a GPU, over gloo on the
+    CPU. Every variant must train, with plain training's losses (one rank: nothing is sharded, so they are equal)."""
+    command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--steps", "2", "--warmup", "1", "--out"]
+    done = subprocess.run([*command, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["dry_run"] and report["backend"] == "gloo" and report["collective_sanity"] == "ok"
+    rows = {(r["variant"], r["precision"]): r for r in report["rows"]}
+    variants = ("plain", "zero1", "zero2", "zero3", "zero3-checks", "zero3-offload")
+    assert set(rows) == {(v, p) for v in variants for p in ("32-true", "bf16-mixed")}
+    for (variant, precision), row in rows.items():
+        assert row["status"] == "ok", (variant, precision, row)
+        assert len(row["losses"]) == 3 and row["overhead_vs_plain"] > 0
+        assert row["max_loss_diff_vs_plain"] == 0.0, (variant, precision, row)
+    assert (tmp_path / "gpu_check.md").read_text().startswith("|")
