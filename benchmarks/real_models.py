@@ -7,10 +7,12 @@ AdamW step, every system in the same processes, the order rotated per repeat. Sy
 - ``ddp``: ``DistributedDataParallel`` (the reference);
 - ``zero3-defaults``: ``ShardedModel(stage=3)`` with the strategies' defaults (default units, ``checks="auto"``
   with the control channel and one step agreement per step, as the strategies run it);
-- ``zero3-per-layer``: one unit per module that owns parameters (``owns_parameters``, the old default).
+- ``zero3-per-layer``: one unit per module that owns parameters (``owns_parameters``, the old default);
+- ``zero1-defaults`` / ``zero2-defaults`` (with ``--systems``): stages 1 and 2 with their defaults.
 
 ``--mode trainer`` trains the same models through a real ``lightning.Trainer`` instead (what users run):
-``ddp`` is Lightning's ``DDPStrategy()``, ``zero3-defaults`` is ``ZeRO3Strategy()`` with no arguments. A
+``ddp`` is Lightning's ``DDPStrategy()``, ``zero3-defaults`` is ``ZeRO3Strategy()`` with no arguments (and
+``zero1-defaults`` / ``zero2-defaults``, with ``--systems``, ``ZeRO1Strategy()`` / ``ZeRO2Strategy()``). A
 step is the whole loop iteration, from one ``on_train_batch_end`` to the next: the batch fetch, Lightning's
 per-batch work (for DDP, its SIGTERM broadcast; for ours, the step agreement that replaces it), forward,
 backward and the optimizer step.
@@ -20,18 +22,22 @@ Usage::
     python -m benchmarks.real_models                      # 2 CPU ranks, 3 repeats of 12 timed steps
     python -m benchmarks.real_models --models gpt2,resnet --steps 6 --repeats 1
     python -m benchmarks.real_models --mode trainer
+    python -m benchmarks.real_models --mode trainer --systems ddp,zero1-defaults,zero2-defaults,zero3-defaults
 
 Prints one markdown row per model: each system's median step time (best repeat; in engine mode a step counts
 as long as its slowest rank, in Trainer mode the slower rank's median counts) and its ratio to DDP, twice: the
 ratio of the best repeats, and the median of the ratios within each repeat (``paired_ratio``), the steadier of
-the two on a noisy machine.
+the two on a noisy machine. Every repeat's median per model and system, the options and the versions go to
+``--out`` as JSON (default ``benchmarks/results/<timestamp>-real-models.json``), the table next to it (``.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +47,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 SYSTEMS = ("ddp", "zero3-defaults", "zero3-per-layer")
 TRAINER_SYSTEMS = ("ddp", "zero3-defaults")
+# What ``--systems`` may name in each mode, and the stage of each ZeRO system.
+ALLOWED = {
+    "engine": ("ddp", "zero1-defaults", "zero2-defaults", "zero3-defaults", "zero3-per-layer"),
+    "trainer": ("ddp", "zero1-defaults", "zero2-defaults", "zero3-defaults"),
+}
+_STAGE = {"zero1-defaults": 1, "zero2-defaults": 2, "zero3-defaults": 3, "zero3-per-layer": 3}
 
 
 def _batch(name: str, step: int, rank: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,10 +80,10 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
     if system == "ddp":
         wrapped: nn.Module = DistributedDataParallel(model)
     else:
-        policy = None if system == "zero3-defaults" else owns_parameters
+        policy = owns_parameters if system == "zero3-per-layer" else None
         # The strategies' checks: one agreement per step on the control channel (see engine/control.py).
         comm = Comm(checks="auto", control=ControlChannel.create())
-        sharded = ShardedModel(model, stage=3, comm=comm, policy=policy)
+        sharded = ShardedModel(model, stage=_STAGE[system], comm=comm, policy=policy)
         wrapped = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if sharded is not None:
@@ -106,7 +118,7 @@ def _time_in_trainer(name: str, system: str, rank: int, steps: int, warmup: int,
     from lightning.pytorch.strategies import DDPStrategy
 
     from benchmarks.trainer_mode import BARE_TRAINER
-    from lightning_zero import ZeRO3Strategy
+    from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
     from tests.real_models import build
 
     class Batches(torch.utils.data.Dataset):
@@ -142,7 +154,7 @@ def _time_in_trainer(name: str, system: str, rank: int, steps: int, warmup: int,
                 times.append(now - self.last)
             self.last = now
 
-    strategy = DDPStrategy() if system == "ddp" else ZeRO3Strategy()
+    strategy = DDPStrategy() if system == "ddp" else (ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy)[_STAGE[system] - 1]()
     dist.barrier()
     L.Trainer(
         devices=dist.get_world_size(),
@@ -166,7 +178,7 @@ def _run(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, dict[
         logging.getLogger(logger_name).setLevel(logging.WARNING)
     torch.set_num_threads(1)
     trainer = options["mode"] == "trainer"
-    systems = TRAINER_SYSTEMS if trainer else SYSTEMS
+    systems = tuple(options["systems"])
     time_system = _time_in_trainer if trainer else _time_system
     medians: dict[str, dict[str, list[float]]] = {}
     for name in options["models"]:
@@ -203,11 +215,32 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--mode", choices=("engine", "trainer"), default="engine")
+    parser.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma-separated, ddp first (engine: {','.join(ALLOWED['engine'])}; trainer: "
+        f"{','.join(ALLOWED['trainer'])}; default: {','.join(SYSTEMS)} / {','.join(TRAINER_SYSTEMS)})",
+    )
+    parser.add_argument("--out", default=None, help="JSON file (default results/<timestamp>-real-models.json)")
     args = parser.parse_args(argv)
-    systems = TRAINER_SYSTEMS if args.mode == "trainer" else SYSTEMS
+    if args.systems is None:
+        systems = TRAINER_SYSTEMS if args.mode == "trainer" else SYSTEMS
+    else:
+        systems = tuple(args.systems.split(","))
+        unknown = [s for s in systems if s not in ALLOWED[args.mode]]
+        if unknown or systems[0] != "ddp" or len(set(systems)) != len(systems):
+            known = ", ".join(ALLOWED[args.mode])
+            parser.error(
+                f"--systems {args.systems!r}: name each system once, ddp first (the reference), from {known} in "
+                f"{args.mode} mode" + (f"; unknown: {', '.join(unknown)}" if unknown else "")
+            )
+    unknown_models = [m for m in args.models.split(",") if m not in NAMES]
+    if unknown_models:
+        parser.error(f"--models: unknown {', '.join(unknown_models)} (known: {', '.join(NAMES)})")
     options = {
         "mode": args.mode,
         "models": args.models.split(","),
+        "systems": list(systems),
         "steps": args.steps,
         "warmup": args.warmup,
         "repeats": args.repeats,
@@ -223,19 +256,40 @@ def main(argv: list[str] | None = None) -> str:
         + " |",
         "|---" * (1 + len(systems) + 2 * len(others)) + "|",
     ]
+    summary: dict[str, dict[str, dict[str, float]]] = {}
     for name, per_system in result.items():
         best = {s: min(v) for s, v in per_system.items()}
+        row = summary[name] = {
+            s: {
+                "best_s": best[s],
+                "ratio_best": best[s] / best["ddp"],
+                "ratio_paired": paired_ratio(per_system[s], per_system["ddp"]),
+            }
+            for s in systems
+        }
         lines.append(
             f"| {name} | "
             + " | ".join(f"{1000 * best[s]:.1f}" for s in systems)
             + " | "
-            + " | ".join(
-                f"{best[s] / best['ddp']:.2f} | {paired_ratio(per_system[s], per_system['ddp']):.2f}" for s in others
-            )
+            + " | ".join(f"{row[s]['ratio_best']:.2f} | {row[s]['ratio_paired']:.2f}" for s in others)
             + " |"
         )
     table = "\n".join(lines)
     print(table)
+    out = Path(args.out or Path(__file__).parent / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-real-models.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import lightning
+
+    record = {
+        "kind": "real_models",
+        "options": {**options, "world_size": args.world_size},
+        "versions": {"torch": torch.__version__, "lightning": lightning.__version__},
+        "median_step_s_per_repeat": result,
+        "summary": summary,
+    }
+    out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    out.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
+    print(f"\nwritten: {out}")
     return table
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -83,6 +85,33 @@ def test_paired_ratio_is_the_median_of_ratios_within_repeats() -> None:
 
     assert paired_ratio([1.2, 2.4, 1.3], [1.0, 2.0, 1.0]) == 1.2
     assert paired_ratio([3.0], [2.0]) == 1.5
+
+
+@pytest.mark.parametrize(
+    ("mode", "systems"),
+    [("trainer", "ddp,zero1-defaults,zero2-defaults,zero3-defaults"), ("engine", "ddp,zero2-defaults,zero3-per-layer")],
+)
+def test_real_model_benchmark_writes_every_system_side_by_side(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str, systems: str
+) -> None:
+    from benchmarks.real_models import main
+
+    out = tmp_path / "real.json"
+    options = ["--mode", mode, "--models", "gpt2", "--steps", "2", "--warmup", "1", "--repeats", "2"]
+    main([*options, "--systems", systems, "--out", str(out)])
+
+    record = json.loads(out.read_text())
+    assert record["kind"] == "real_models" and record["options"]["systems"] == systems.split(",")
+    times = record["median_step_s_per_repeat"]["gpt2"]
+    assert set(times) == set(systems.split(",")) and all(len(t) == 2 and min(t) > 0 for t in times.values())
+    summary = record["summary"]["gpt2"]
+    assert summary["ddp"]["ratio_best"] == summary["ddp"]["ratio_paired"] == 1.0
+    assert out.with_suffix(".md").read_text().count("| gpt2 |") == 1
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main([*options, "--systems", "zero3-defaults,ddp"])  # refused before any process starts
+    assert refused.value.code == 2 and "ddp first" in capsys.readouterr().err
 
 
 def test_gpu_check_dry_run_trains_every_variant_like_plain_training(tmp_path: Path) -> None:
