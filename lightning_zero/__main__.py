@@ -76,16 +76,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     """Exit status 0 when written, 2 (with one line on stderr, no traceback) when the input cannot be used."""
-    from lightning_zero.engine.safe_read import CorruptCheckpointError
+    from lightning_zero.engine.safe_read import CorruptCheckpointError, UnsafeCheckpointError
+
+    def refuse(text: str) -> int:
+        print("consolidate: " + " ".join(text.split()), file=sys.stderr)  # one line, whatever the message
+        return 2
 
     try:
         checkpoint = consolidate(args.checkpoint, args.output, weights_only=False if args.unsafe_pickle else None)
-    except pickle.UnpicklingError as error:  # UnsafeCheckpointError: --unsafe-pickle is the way out
-        print(f"consolidate: {error} (on this command line: --unsafe-pickle)", file=sys.stderr)
-        return 2
+    except pickle.UnpicklingError as error:  # --unsafe-pickle is the way out
+        reason = error.reason if isinstance(error, UnsafeCheckpointError) else str(error)
+        return refuse(f"{reason}. If you trust the file, add --unsafe-pickle to the command line.")
     except (FileNotFoundError, NotADirectoryError, PermissionError, CorruptCheckpointError) as error:
-        print(f"consolidate: {error}", file=sys.stderr)
-        return 2
+        return refuse(str(error))
     params = sum(v.numel() for v in checkpoint["state_dict"].values() if hasattr(v, "numel"))
     print(f"wrote {args.output}: {len(checkpoint['state_dict'])} tensors, {params:,} elements", file=sys.stderr)
     return 0

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from lightning_zero import ZeRO3Strategy, consolidate_checkpoint
+from lightning_zero.__main__ import main as cli_main
 from lightning_zero.engine.files import KILL_AT
 from lightning_zero.engine.safe_read import CorruptCheckpointError, UnsafeCheckpointError
 from lightning_zero.strategies.saving import CheckpointSaveError
@@ -257,7 +258,9 @@ def _refuse_everywhere(rank: int, world_size: int, cases: list, marker: str) -> 
     return measured
 
 
-def test_hostile_and_damaged_checkpoints_are_refused_by_every_entry_point(saved: Path, tmp_path: Path) -> None:
+def test_hostile_and_damaged_checkpoints_are_refused_by_every_entry_point(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "payload-ran"
     # The payload is live: the plain unpickler that DCP uses runs it.
     canary = tmp_path / "canary"
@@ -269,12 +272,19 @@ def test_hostile_and_damaged_checkpoints_are_refused_by_every_entry_point(saved:
         with pytest.raises(ERRORS[kind], match=pattern):
             consolidate_checkpoint(path, tmp_path / "out.ckpt")
         assert not marker.exists(), name
-    for name, path, _, _ in cases:  # the command line: one line on stderr, exit status 2 (one case per kind of refusal)
-        if name in ("payload-metadata", "payload-full", "size-1GB"):
+    capsys.readouterr()
+    for name, path, kind, _ in cases:  # the command line: one line on stderr, exit status 2
+        assert cli_main(["consolidate", path, str(tmp_path / "out.ckpt")]) == 2, name
+        stderr = capsys.readouterr().err
+        assert "Traceback" not in stderr and stderr.startswith("consolidate: ") and stderr.count("\n") == 1, stderr
+        if kind == "unsafe":  # what was refused, and this command line's way to trust the file
+            assert "GLOBAL posix.system" in stderr and "weights_only" not in stderr, stderr
+            assert stderr.endswith("If you trust the file, add --unsafe-pickle to the command line.\n"), stderr
+        assert not marker.exists(), name
+        if name in ("payload-metadata", "payload-full", "size-1GB"):  # and the entry point itself, once per kind
             command = [sys.executable, "-m", "lightning_zero", "consolidate", path, str(tmp_path / "out.ckpt")]
             result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
-            assert result.returncode == 2, (name, result.stderr[-2000:])
-            assert "Traceback" not in result.stderr and result.stderr.startswith("consolidate: "), result.stderr
+            assert (result.returncode, result.stderr) == (2, stderr), (name, result.stderr[-2000:])
             assert not marker.exists(), name
     measured = spawn(_refuse_everywhere, world_size=2, timeout=600, cases=cases, marker=str(marker))
     for rank_measures in measured:

@@ -59,7 +59,30 @@ class CorruptCheckpointError(RuntimeError):
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
-    """The file holds objects only arbitrary pickled code can rebuild; it was not loaded."""
+    """The file holds objects only arbitrary pickled code can rebuild; it was not loaded.
+
+    ``reason`` says what was refused, ``advice`` how to load the file anyway if it is trusted (a command line
+    replaces it with its own flag). Example::
+
+        error = UnsafeCheckpointError("'a.ckpt' holds ...", advice="If you trust the file, pass weights_only=False.")
+        str(error)      # "'a.ckpt' holds .... If you trust the file, pass weights_only=False."
+    """
+
+    def __init__(self, reason: str, advice: str = "") -> None:
+        super().__init__(f"{reason}. {advice}" if advice else reason)
+        self.reason = reason
+        self.advice = advice
+
+    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt from its parts (the message is made of them)
+        return type(self), (self.reason, self.advice)
+
+
+def _torch_refusal(error: BaseException) -> str:
+    """The line of torch's weights-only refusal that names what it refused (the rest of its text is generic, and
+    suggests ``weights_only=False``)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "nsupported" in line]
+    return (named or lines[-1:] or ["no detail given"])[0]
 
 
 _METADATA_CLASSES: dict[tuple[str, str], Any] = {
@@ -314,7 +337,8 @@ def load_torch_file(path: Path, weights_only: bool | None) -> Any:
             raise CorruptCheckpointError(f"{str(path)!r} is not a checkpoint or is corrupted: {err}") from err
         raise UnsafeCheckpointError(
             f"{str(path)!r} holds objects that only arbitrary pickle code can rebuild, so it was not loaded "
-            f"({err}). If you trust the file, pass weights_only=False (e.g. trainer.fit(..., weights_only=False))."
+            f"(torch: {_torch_refusal(err)})",
+            advice="If you trust the file, pass weights_only=False (e.g. trainer.fit(..., weights_only=False)).",
         ) from err
     except (RuntimeError, EOFError, OSError, KeyError, ValueError, AttributeError, IndexError) as err:
         raise CorruptCheckpointError(f"{str(path)!r} is truncated or corrupted and was not loaded: {err}") from err
