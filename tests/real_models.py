@@ -116,16 +116,20 @@ def logits(name: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class RealModelNet(L.LightningModule):
     """Trains ``build(name)``, created in ``configure_model``."""
 
-    def __init__(self, name: str, batch_size: int = 2) -> None:
+    def __init__(self, name: str, batch_size: int = 2, checkpointing: str | None = None) -> None:
         super().__init__()
         self.name = name
         self.batch_size = batch_size
+        self.checkpointing = checkpointing  # transformers' activation checkpointing: "reentrant", "non-reentrant"
         self.model: nn.Module | None = None
         self.losses: list[float] = []
 
     def configure_model(self) -> None:
         if self.model is None:
             self.model = build(self.name)
+            if self.checkpointing is not None:
+                reentrant = {"reentrant": True, "non-reentrant": False}[self.checkpointing]
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -16,7 +16,9 @@ CPU build of torch). Needs the ``models`` extra (part of ``test``); skipped with
 - A ``Trainer`` on 2 ranks, 3 steps, fp32 AdamW, per model: ``zero1``, ``zero2``, ``zero3`` with the model
   built ordinarily (``meta_init=False``) and ``zero3`` with its defaults (built on meta) give DDP's losses
   and final parameters and buffers, bitwise at 2 ranks (no clipping; see ``docs/parity.md``). Also Llama
-  in ``bf16-true`` under ``zero3`` defaults (the setup cast of meta layers is replayed).
+  in ``bf16-true`` under ``zero3`` defaults (the setup cast of meta layers is replayed), and GPT-2 and Llama
+  with transformers' activation checkpointing (``gradient_checkpointing_enable``, reentrant and not) under
+  ``zero3`` with one unit per block.
 """
 
 from __future__ import annotations
@@ -116,9 +118,11 @@ STRATEGIES = {
 }
 
 
-def _fit(name: str, strategy: Any, **trainer_kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _fit(
+    name: str, strategy: Any, checkpointing: str | None = None, **trainer_kwargs: Any
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     L.seed_everything(0)
-    model = RealModelNet(name)
+    model = RealModelNet(name, checkpointing=checkpointing)
     snapshot = Snapshot()
     quiet_trainer(strategy=strategy, devices=2, max_steps=3, callbacks=[snapshot], **trainer_kwargs).fit(model)
     return model.losses, snapshot.final
@@ -147,6 +151,15 @@ def _trainer_parity(rank: int, world_size: int) -> dict[str, list[str]]:
         f"llama bf16-true under zero3 defaults, rank {rank}", _fit("llama", ZeRO3Strategy(), precision="bf16-true"), ddp
     )
     results["llama bf16-true"] = ["zero3 defaults (meta init)"]
+    # transformers' activation checkpointing, both kinds, with one unit per block: each block's forward runs
+    # again in backward, where stage 3 gathers its unit once more.
+    for name in ("gpt2", "llama"):
+        for checkpointing in ("reentrant", "non-reentrant"):
+            ddp = _fit(name, DDPStrategy(), checkpointing)
+            blocks = ZeRO3Strategy(unit_modules=["GPT2Block", "LlamaDecoderLayer"])
+            got = _fit(name, blocks, checkpointing)
+            _check(f"{name} with {checkpointing} checkpointing under zero3 blocks, rank {rank}", got, ddp)
+            results[f"{name} {checkpointing} checkpointing"] = ["zero3 blocks"]
     return results
 
 
