@@ -81,7 +81,7 @@ def _torch_refusal(error: BaseException) -> str:
     """The line of torch's weights-only refusal that names what it refused (the rest of its text is generic, and
     suggests ``weights_only=False``)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    named = [line for line in lines if "GLOBAL" in line or "nsupported" in line]
+    named = [line for line in lines if "GLOBAL" in line or "unsupported" in line.lower()]
     return (named or lines[-1:] or ["no detail given"])[0]
 
 
