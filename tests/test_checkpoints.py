@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import DDPStrategy
 import lightning_zero
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, consolidate_checkpoint
 from lightning_zero.engine.checkpoint import CheckpointMismatchError, CorruptCheckpointError
+from lightning_zero.engine.safe_read import UnsafeCheckpointError
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
@@ -211,7 +212,8 @@ class Arbitrary:
 def test_pickled_code_is_not_loaded_unless_allowed(tmp_path: Path) -> None:
     path = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "payload": Arbitrary()}, path)
-    with pytest.raises(Exception, match="weights_only=False"):
+    # One message: what torch refused (the class), then how to load a trusted file anyway.
+    with pytest.raises(UnsafeCheckpointError, match=r"GLOBAL tests\.test_checkpoints\.Arbitrary .*weights_only=False"):
         consolidate_checkpoint(path)
     assert lightning_zero.consolidate_checkpoint(path, weights_only=False)["payload"] is not None
 
