@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,8 @@ def test_consolidated_checkpoint_is_what_ddp_saves(checkpoints: str, tmp_path: P
         str(Path(checkpoints, KINDS["zero3-sharded"][1])),
         str(output),
     ]
-    subprocess.run(command, check=True, cwd=REPO, capture_output=True)
+    done = subprocess.run(command, check=True, cwd=REPO, capture_output=True, text=True)
+    assert done.stderr.startswith(f"wrote {output}: ") and done.stderr.count("\n") == 1, done.stderr  # no warnings
     merged = torch.load(output, weights_only=True)
     assert list(merged["state_dict"]) == list(ddp["state_dict"])
     for key, value in ddp["state_dict"].items():
@@ -158,7 +160,10 @@ def test_consolidated_checkpoint_is_what_ddp_saves(checkpoints: str, tmp_path: P
     from safetensors.torch import load_file
 
     weights = tmp_path / "weights.safetensors"
-    consolidate_checkpoint(Path(checkpoints, KINDS["zero1-sharded"][1]), weights)
+    with warnings.catch_warnings(record=True) as caught:  # one process on purpose: nothing to warn about
+        warnings.simplefilter("always")
+        consolidate_checkpoint(Path(checkpoints, KINDS["zero1-sharded"][1]), weights)
+    assert not caught, [str(w.message) for w in caught]
     fresh = _model()
     fresh.load_state_dict(load_file(weights))
     assert torch.equal(fresh.eval()(x), reference(x))

@@ -241,7 +241,10 @@ def shard_directory(path: Path, zero_meta: dict[str, Any]) -> tuple[Path, str | 
 
 def _dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, **kwargs: Any) -> None:
     try:
-        dcp.load(state, storage_reader=reader, **kwargs)
+        with warnings.catch_warnings():
+            if kwargs.get("no_dist"):  # one process on purpose (consolidation): DCP warns even when told so
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=reader, **kwargs)
     except CheckpointException as err:
         raise CorruptCheckpointError(f"{str(reader.path)!r} could not be read, nothing was loaded: {err}") from err
 
