@@ -118,7 +118,6 @@ def _time_in_trainer(name: str, system: str, rank: int, steps: int, warmup: int,
     from lightning.pytorch.strategies import DDPStrategy
 
     from benchmarks.trainer_mode import BARE_TRAINER
-    from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
     from tests.real_models import build
 
     class Batches(torch.utils.data.Dataset):
@@ -154,7 +153,8 @@ def _time_in_trainer(name: str, system: str, rank: int, steps: int, warmup: int,
                 times.append(now - self.last)
             self.last = now
 
-    strategy = DDPStrategy() if system == "ddp" else (ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy)[_STAGE[system] - 1]()
+    # Ours by their registered names, as a user writes them (``strategy="zero3"``: the defaults).
+    strategy = DDPStrategy() if system == "ddp" else f"zero{_STAGE[system]}"
     dist.barrier()
     L.Trainer(
         devices=dist.get_world_size(),
@@ -173,6 +173,8 @@ def _run(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, dict[
     import logging
     import warnings
 
+    from benchmarks.engine_mode import rotated
+
     warnings.filterwarnings("ignore")
     for logger_name in ("lightning.pytorch", "lightning.fabric", "lightning_zero"):
         logging.getLogger(logger_name).setLevel(logging.WARNING)
@@ -184,7 +186,7 @@ def _run(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, dict[
     for name in options["models"]:
         medians[name] = {s: [] for s in systems}
         for repeat in range(options["repeats"]):
-            order = systems[repeat % len(systems) :] + systems[: repeat % len(systems)]
+            order = rotated(list(systems), repeat)
             for system in order:
                 times = time_system(name, system, rank, options["steps"], options["warmup"], options["batch_size"])
                 medians[name][system].append(statistics.median(times))

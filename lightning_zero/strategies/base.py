@@ -451,7 +451,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         self._agreed_step = None
         sharded = self.sharded_model
         agreement.begin_training_step(sharded.comm, module.trainer, sharded.params, accumulating, step, agreed)
-        self.sharded_model.begin_step()
+        sharded.begin_step()
         try:
             return super().training_step(*args, **kwargs)
         finally:
