@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from lightning_zero import ZeRO3Strategy, consolidate_checkpoint
 from lightning_zero.__main__ import main as cli_main
+from lightning_zero.engine.checksums import records, tensor_records
 from lightning_zero.engine.files import KILL_AT
 from lightning_zero.engine.safe_read import CorruptCheckpointError, UnsafeCheckpointError
 from lightning_zero.strategies.saving import CheckpointSaveError
@@ -81,7 +82,7 @@ def test_pieces_written_by_two_ranks_make_the_file_torch_save_would_write(tmp_pa
     """The writer on one process, playing both ranks: a 3x4 weight split 7/5 elements, tied under two names,
     an optimizer state split the same way, a real buffer and a step counter."""
     from lightning_zero.engine.torch_file import FlatPiece, write_pieces, write_skeleton
-    from lightning_zero.strategies.saving import _check_coverage
+    from lightning_zero.engine.checksums import RecordChecksumError, join_checksums, write_checksums
 
     weight, state = torch.randn(3, 4), torch.randn(3, 4)
     flat_w, flat_s = weight.reshape(-1), state.reshape(-1)
@@ -99,18 +100,20 @@ def test_pieces_written_by_two_ranks_make_the_file_torch_save_would_write(tmp_pa
         "epoch": 2,
     }
     path = tmp_path / "parallel.ckpt"
-    offsets = write_skeleton(checkpoint, path)
-    write_pieces(path, [w0, s0], offsets)
-    write_pieces(path, [w1, s1], offsets)
+    skeleton = write_skeleton(checkpoint, path)
+    checksums = write_pieces(path, [w0, s0], skeleton.offsets) + write_pieces(path, [w1, s1], skeleton.offsets)
+    records = join_checksums(checksums, skeleton.record_names, skeleton.record_sizes)
+    write_checksums(path, {**skeleton.checksums, **records})
+    with zipfile.ZipFile(path) as archive:
+        assert archive.testzip() is None  # a valid zip: every record's checksum matches its bytes
     loaded = torch.load(path, weights_only=True)
     assert torch.equal(loaded["state_dict"]["w"], weight) and torch.equal(loaded["state_dict"]["tied"], weight)
     assert loaded["state_dict"]["w"].data_ptr() == loaded["state_dict"]["tied"].data_ptr()  # one storage
     assert torch.equal(loaded["state_dict"]["buffer"], torch.arange(3.0)) and loaded["epoch"] == 2
     assert torch.equal(loaded["optimizer_states"][0]["state"][0]["exp_avg"], state)
     assert loaded["optimizer_states"][0]["state"][0]["step"] == 5
-    _check_coverage([w0, s0], {"model/w": 12, "optim/0/0/exp_avg": 12})
-    with pytest.raises(RuntimeError, match=r"the ranks wrote 7 of the 12 elements of 'model/w'"):
-        _check_coverage([w0, s0], {"model/w": 7, "optim/0/0/exp_avg": 12})  # rank 1's piece missing
+    with pytest.raises(RecordChecksumError, match=r"the ranks wrote 28 of the 48 bytes of 'model/w'"):
+        join_checksums(checksums[:2] + checksums[3:], skeleton.record_names, skeleton.record_sizes)  # w1 lost
     with pytest.raises(TypeError, match="cannot be pickled on its own"):
         pickle.dumps(w0)
 
@@ -152,6 +155,14 @@ def _forge_metadata(checkpoint: Path, numel: int) -> None:
     entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0]), sizes=torch.Size([numel]))]
     metadata.storage_data[MetadataIndex(key, torch.Size([0]))] = info
     (shards / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def _flip_byte(path: Path, position: int) -> None:
+    with open(path, "r+b") as stream:
+        stream.seek(position)
+        value = stream.read(1)[0]
+        stream.seek(position)
+        stream.write(bytes([value ^ 0x10]))
 
 
 def _cases(saved: Path, work: Path, marker: Path) -> list[tuple[str, str, str, str]]:
@@ -218,6 +229,19 @@ def _cases(saved: Path, work: Path, marker: Path) -> list[tuple[str, str, str, s
     for name, data in (("truncated-full-end", raw[:-10]), ("truncated-full-half", raw[: len(raw) // 2])):
         (work / f"{name}.ckpt").write_bytes(data)
         cases.append((name, work / f"{name}.ckpt", "corrupt", "is truncated or corrupted and was not loaded"))
+
+    path = work / "bit-flip-full.ckpt"
+    shutil.copyfile(saved / "full.ckpt", path)
+    with open(path, "rb") as stream, zipfile.ZipFile(stream) as archive:
+        largest = max(tensor_records(records(archive, stream)), key=lambda r: r.stored_size)
+    _flip_byte(path, largest.data_start + largest.stored_size // 2)
+    cases.append(("bit-flip-full", path, "corrupt", rf"record '{largest.name}' do not match the checksum"))
+
+    path = copy("a.ckpt", "bit-flip-shard")
+    entries = FileSystemReader(_shards(path)).read_metadata().storage_data.values()
+    entry = max((e for e in entries if e.relative_path == "__1_0.distcp"), key=lambda e: e.length)
+    _flip_byte(_shards(path) / "__1_0.distcp", entry.offset + entry.length // 2)
+    cases.append(("bit-flip-shard", path, "corrupt", r"__1_0\.distcp' is corrupted: the bytes of its piece of"))
 
     (work / "random.ckpt").write_bytes(os.urandom(4096))
     cases.append(("foreign-random-bytes", work / "random.ckpt", "corrupt", "is not a checkpoint or is corrupted"))
@@ -293,6 +317,40 @@ def test_hostile_and_damaged_checkpoints_are_refused_by_every_entry_point(
             assert grown_mib < 100, (what, grown_mib)  # the 1 GB / 4 TB claims allocated nothing
     assert not marker.exists()
     assert not (tmp_path / "out.ckpt").exists()
+
+
+def _resume_from(rank: int, world_size: int, paths: list[str]) -> list[dict[str, torch.Tensor]]:
+    """The parameters after resuming from each of ``paths`` and training two more steps."""
+    results = []
+    for path in paths:
+        torch.manual_seed(3)
+        model = _model()
+        quiet_trainer(strategy="zero3", devices=world_size, max_steps=4).fit(model, ckpt_path=path)
+        results.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    return results
+
+
+def test_the_default_checkpoint_is_a_valid_zip_and_a_recompressed_copy_loads_exactly(
+    saved: Path, tmp_path: Path
+) -> None:
+    """The parallel writer stores every record's CRC-32 (zipfile and unzip accept the file); a copy whose records a
+    zip tool deflated is decompressed, never mapped raw: consolidate and a resumed fit read what torch.load reads."""
+    full = saved / "full.ckpt"
+    with zipfile.ZipFile(full) as archive:
+        assert archive.testzip() is None
+    if shutil.which("unzip"):
+        assert subprocess.run(["unzip", "-tq", str(full)], capture_output=True).returncode == 0
+    compressed = tmp_path / "deflated.ckpt"
+    with zipfile.ZipFile(full) as source, zipfile.ZipFile(compressed, "w", zipfile.ZIP_DEFLATED) as target:
+        for info in source.infolist():
+            target.writestr(info.filename, source.read(info.filename))
+    with zipfile.ZipFile(compressed) as archive:
+        assert any(i.compress_type == zipfile.ZIP_DEFLATED for i in archive.infolist() if "/data/" in i.filename)
+    expected = torch.load(full, weights_only=True)["state_dict"]
+    read = consolidate_checkpoint(compressed)["state_dict"]
+    assert expected.keys() == read.keys() and all(torch.equal(expected[k], read[k]) for k in expected)
+    from_full, from_compressed = spawn(_resume_from, world_size=2, timeout=300, paths=[str(full), str(compressed)])[0]
+    assert all(torch.equal(from_full[k], from_compressed[k]) for k in from_full)
 
 
 def test_missing_checkpoint_on_the_command_line_is_one_clear_line(tmp_path: Path) -> None:

@@ -40,15 +40,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.optim import Optimizer
 
+from lightning_zero.engine.checksums import StoredEntry, entry_checksums, share_by_size
 from lightning_zero.engine.files import atomic_torch_save, commit, temporary_path
 from lightning_zero.engine.optimizer import is_param_shaped
 from lightning_zero.engine.safe_read import SAVE_ID_PREFIX, CorruptCheckpointError, SafeFileSystemReader
@@ -59,6 +61,7 @@ FORMAT_VERSION = 2
 META_FILE = "meta.pt"
 MODEL_PREFIX = "model/"
 SHARDS_PREFIX = "shards-"
+CHECKSUMS_KEY = "checksums"  # in meta.pt's lightning_zero section: see [Note: shard checksums]
 
 
 class CheckpointMismatchError(ValueError):
@@ -206,10 +209,67 @@ def checkpoint_meta(model: ShardedModel, optimizers: list[Optimizer]) -> dict[st
     }
 
 
-def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int) -> None:
-    """Every rank writes its pieces of ``state``, and the save's identity, into ``directory`` (a collective)."""
+def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int) -> dict[str, int]:
+    """Every rank writes its pieces of ``state``, and the save's identity, into ``directory`` (a collective); the
+    checksums of the entries this rank wrote (see [Note: shard checksums] in ``engine/checksums.py``)."""
     identity = torch.tensor(list(save_id.encode()), dtype=torch.uint8)
-    dcp.save({**state, f"{SAVE_ID_PREFIX}{rank}": identity}, storage_writer=dcp.FileSystemWriter(directory))
+    metadata = dcp.save({**state, f"{SAVE_ID_PREFIX}{rank}": identity}, storage_writer=dcp.FileSystemWriter(directory))
+    mine = [entry for entry in stored_entries(metadata) if entry.file.startswith(f"__{rank}_")]
+    return entry_checksums(directory, mine)
+
+
+def stored_entries(metadata: Metadata) -> list[StoredEntry]:
+    """Every stored piece of a DCP checkpoint, from its metadata."""
+    return [
+        StoredEntry(index.fqn, str(info.relative_path), int(info.offset), int(info.length))
+        for index, info in metadata.storage_data.items()
+    ]
+
+
+def check_shards(
+    directory: Path, metadata: Metadata, zero_meta: dict[str, Any], rank: int = 0, world_size: int = 1
+) -> str | None:
+    """This rank's share of the check of a sharded checkpoint's pieces against the checksums ``meta.pt`` holds
+    (all of them with the defaults): what is wrong, or ``None``. The ranks must then agree on the verdict."""
+    stored = zero_meta.get(CHECKSUMS_KEY)
+    if stored is None:
+        if rank == 0 and zero_meta.get("format_version") == FORMAT_VERSION:
+            warnings.warn(
+                f"{str(directory)!r} was written by an older lightning_zero, which stored no checksums of its "
+                "pieces: their bytes cannot be checked (save it again to add them)",
+                stacklevel=3,
+            )
+        return None
+    if not isinstance(stored, dict):
+        return f"the meta.pt of {str(directory.parent)!r} is damaged (its checksum table is not a table)"
+    entries = stored_entries(metadata)
+    mine = share_by_size(entries, lambda e: e.length, lambda e: e.key, rank, world_size)
+    try:
+        found = entry_checksums(directory, mine)
+    except OSError as err:
+        return f"{str(directory)!r} could not be read: {err}"
+    for entry in mine:
+        if stored.get(entry.key) != found[entry.key]:
+            return (
+                f"{str(directory / entry.file)!r} is corrupted: the bytes of its piece of {entry.fqn!r} (at byte "
+                f"{entry.offset}) do not match the checksum meta.pt stores for them (a damaged disk, a partial copy or "
+                "an edited file); nothing was loaded. Load an intact copy or an earlier checkpoint."
+            )
+    return None
+
+
+def _check_shards_together(directory: Path, metadata: Metadata, zero_meta: dict[str, Any]) -> None:
+    """``check_shards`` with the checks shared by every rank of the default process group; every rank raises the
+    same ``CorruptCheckpointError`` if any share failed."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        problems: list[Any] = [None] * dist.get_world_size()
+        mine = check_shards(directory, metadata, zero_meta, dist.get_rank(), dist.get_world_size())
+        dist.all_gather_object(problems, mine)
+    else:
+        problems = [check_shards(directory, metadata, zero_meta)]
+    found = [p for p in problems if p]
+    if found:
+        raise CorruptCheckpointError(found[0])
 
 
 def shard_directory(path: Path, zero_meta: dict[str, Any]) -> tuple[Path, str | None]:
@@ -262,14 +322,29 @@ def write_checkpoint_directory(
     by one rename (a collective: call on every rank with the same ``token``). The Fabric strategies use it; the
     Trainer strategies' ``strategies/saving.py`` writes the same layout, with failure reports from every rank."""
     tmp = temporary_path(path, token)
-    save_sharded(shards, tmp / f"{SHARDS_PREFIX}{token}", token, rank)
+    checksums = gather_checksums(save_sharded(shards, tmp / f"{SHARDS_PREFIX}{token}", token, rank))
     barrier("lightning_zero.save")
     if is_global_zero:
-        meta = {**meta, "lightning_zero": {**meta["lightning_zero"], "save_id": token}}
+        meta = {**meta, "lightning_zero": {**meta["lightning_zero"], "save_id": token, CHECKSUMS_KEY: checksums}}
         atomic_torch_save(meta, tmp / META_FILE)
         path.parent.mkdir(parents=True, exist_ok=True)
         commit(tmp, path)
     barrier("lightning_zero.commit")
+
+
+def gather_to_zero(value: Any) -> list[Any]:
+    """Every rank's ``value`` on rank 0 of the default process group, an empty list elsewhere (a collective): for
+    what only rank 0 writes, such as checksums, which need not travel to every rank."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    everyone: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(value, everyone, dst=0)
+    return everyone or []
+
+
+def gather_checksums(mine: dict[str, int]) -> dict[str, int]:
+    """Every rank's entry checksums, joined on rank 0 (an empty table elsewhere; a collective)."""
+    return {key: crc for table in gather_to_zero(mine) for key, crc in table.items()}
 
 
 def load_sharded(
@@ -284,7 +359,9 @@ def load_sharded(
     world size, stage or unit policy wrote it."""
     shards, save_id = shard_directory(directory, zero_meta)
     reader = SafeFileSystemReader(shards, save_id)
-    saved = reader.read_metadata().state_dict_metadata
+    metadata = reader.read_metadata()
+    _check_shards_together(shards, metadata, zero_meta)
+    saved = metadata.state_dict_metadata
     _check_names(model, zero_meta, saved, strict)
     target = {k: v for k, v in sharded_model_state(model, mesh, loading=True).items() if k in saved}
     optimizer_targets: list[dict[str, Any]] = []
@@ -402,7 +479,11 @@ def consolidate_state(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
     zero_meta = meta["lightning_zero"]
     shards, save_id = shard_directory(directory, zero_meta)
     reader = SafeFileSystemReader(shards, save_id)
-    saved = reader.read_metadata().state_dict_metadata  # checked: every size is backed by stored bytes
+    metadata = reader.read_metadata()  # checked: every size is backed by stored bytes
+    problem = check_shards(shards, metadata, zero_meta)
+    if problem is not None:
+        raise CorruptCheckpointError(problem)
+    saved = metadata.state_dict_metadata
     full = {
         k: torch.empty(m.size, dtype=m.properties.dtype)
         for k, m in saved.items()

@@ -32,6 +32,8 @@ import math
 import os
 import pickle
 import stat
+import struct
+import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Generator
@@ -51,6 +53,8 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
+
+from lightning_zero.engine import checksums
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -315,23 +319,30 @@ def check_save_id(directory: Path, metadata: Metadata, save_id: str, sizes: dict
 _LEGACY_MAGIC = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]  # torch's pre-1.6 format
 
 
-def load_torch_file(path: Path, weights_only: bool | None) -> Any:
-    """``torch.load`` of a full checkpoint file, memory-mapped, with damaged and foreign files refused."""
+def load_torch_file(path: Path, weights_only: bool | None, verify: bool = True) -> Any:
+    """``torch.load`` of a full checkpoint file, memory-mapped, with damaged and foreign files refused. ``verify``:
+    check every record's checksum first (``False`` where the ranks have shared that check, see ``check_records``)."""
     with open_regular(path) as stream:
         head = stream.read(len(_LEGACY_MAGIC))
         size = os.fstat(stream.fileno()).st_size
     if size == 0:
         raise CorruptCheckpointError(f"{str(path)!r} is empty: truncated or corrupted, it was not loaded")
     is_zip = head.startswith(b"PK\x03\x04")
+    mmap = is_zip
     if is_zip:
-        _check_zip(path, size)
+        compressed = any(record.compressed for record in _check_zip(path, size))
+        mmap = not compressed  # torch.load decompresses a record it reads, but would map it raw
+        if verify:
+            problem = check_records(path)
+            if problem is not None:
+                raise CorruptCheckpointError(problem)
     elif head != _LEGACY_MAGIC:
         raise CorruptCheckpointError(
             f"{str(path)!r} is not a checkpoint or is corrupted: it is neither a zip archive written by torch.save "
             "nor torch's legacy format"
         )
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only is not False, mmap=is_zip)
+        return torch.load(path, map_location="cpu", weights_only=weights_only is not False, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "Weights only load failed" not in str(err):
             raise CorruptCheckpointError(f"{str(path)!r} is not a checkpoint or is corrupted: {err}") from err
@@ -344,19 +355,53 @@ def load_torch_file(path: Path, weights_only: bool | None) -> Any:
         raise CorruptCheckpointError(f"{str(path)!r} is truncated or corrupted and was not loaded: {err}") from err
 
 
-def _check_zip(path: Path, size: int) -> None:
+def check_records(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """This rank's share of the check of a full checkpoint file's record checksums (all of them with the defaults):
+    what is wrong, or ``None`` (see [Note: record checksums] in ``engine/checksums.py``). A file that is not a
+    zip archive has no checksums to check. The ranks must then agree on the verdict."""
+    with open_regular(path) as stream:
+        if stream.read(4) != b"PK\x03\x04":
+            return None
+        try:
+            with zipfile.ZipFile(stream) as archive:
+                found = checksums.records(archive, stream)
+                if checksums.unchecked_tensor_records(found):
+                    if rank == 0:
+                        warnings.warn(
+                            f"{str(path)!r} was written by an older lightning_zero, which stored no checksums of "
+                            "its tensors: their bytes cannot be checked (save it again to add them)",
+                            stacklevel=3,
+                        )
+                    unchecked = {r.name for r in checksums.tensor_records(found)}
+                    found = [r for r in found if r.name not in unchecked]
+                bad = checksums.bad_records(archive, stream, checksums.share_records(found, rank, world_size))
+        except (zipfile.BadZipFile, OSError, ValueError, struct.error) as err:
+            return f"{str(path)!r} is truncated or corrupted and was not loaded: {err}"
+    if not bad:
+        return None
+    return (
+        f"{str(path)!r} is corrupted: the bytes of record {bad[0]!r}"
+        + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+        + " do not match the checksum stored with them (a damaged disk, a partial copy or an edited file); "
+        "it was not loaded. Load an intact copy or an earlier checkpoint."
+    )
+
+
+def _check_zip(path: Path, size: int) -> list[checksums.Record]:
     try:
-        with zipfile.ZipFile(path) as archive:
+        with open_regular(path) as stream, zipfile.ZipFile(stream) as archive:
             infos = archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError) as err:
+            found = checksums.records(archive, stream)
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error) as err:
         raise CorruptCheckpointError(f"{str(path)!r} is truncated or corrupted and was not loaded: {err}") from err
     roots = {info.filename.split("/", 1)[0] for info in infos}
     if len(roots) != 1 or not any(info.filename.endswith("/data.pkl") for info in infos):
         raise CorruptCheckpointError(
             f"{str(path)!r} is a zip archive but not one torch.save wrote, so it is not a checkpoint"
         )
-    for info in infos:
-        if info.header_offset + 30 + len(info.filename) + info.compress_size > size:
+    for record in found:
+        if record.data_start + record.stored_size > size:
             raise CorruptCheckpointError(
-                f"{str(path)!r} is truncated: record {info.filename!r} ends past the end of the file"
+                f"{str(path)!r} is truncated: record {record.name!r} ends past the end of the file"
             )
+    return found

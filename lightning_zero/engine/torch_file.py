@@ -16,10 +16,11 @@ can be written by anyone who knows where the record starts. So a full checkpoint
    (``PyTorchFileReader.get_record_offset``); rank 0 writes the bytes of the real tensors (buffers,
    ``step`` counters, Lightning's own) and broadcasts the offsets.
 3. Every rank writes its pieces at ``record offset + offset * element size`` with ``pwrite``, in
-   parallel, and ``fsync``s.
+   parallel, ``fsync``s, and returns the CRC-32 of each piece; rank 0 joins them into each record's
+   checksum and stores it (see [Note: record checksums] in ``engine/checksums.py``), so the file
+   is a valid zip archive that ``zipfile`` and ``unzip -t`` accept, and a load can check its bytes.
 
-``torch.load`` reads the result like any checkpoint (``torch.load`` does not verify the zip's CRC32
-fields, which are left at zero, as with ``torch.serialization.set_crc32_options(False)``).
+``torch.load`` reads the result like any checkpoint.
 """
 
 from __future__ import annotations
@@ -28,14 +29,17 @@ import copy
 import os
 import pickle
 import types
+import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from lightning_zero.engine.checksums import PieceChecksum
 from lightning_zero.engine.files import crash_point
 
 _WRITE_CHUNK = 1 << 30  # bytes per pwrite call (Linux writes at most ~2 GiB at once)
@@ -132,9 +136,19 @@ def _untyped(storage: Any) -> torch.UntypedStorage:
     return storage._untyped_storage if isinstance(storage, torch.storage.TypedStorage) else storage
 
 
-def write_skeleton(checkpoint: dict[str, Any], path: Path) -> dict[str, int]:
+class Skeleton(NamedTuple):
+    """Where rank 0's skeleton put things: each piece's record (its zip name and byte offset in the file), by
+    ``FlatPiece.key``, and the checksums of the records rank 0 wrote whole (the real tensors), by zip name."""
+
+    offsets: dict[str, int]
+    record_names: dict[str, str]
+    record_sizes: dict[str, int]
+    checksums: dict[str, int]
+
+
+def write_skeleton(checkpoint: dict[str, Any], path: Path) -> Skeleton:
     """Rank 0: write ``checkpoint`` to ``path`` with every ``FlatPiece`` as a hole of its full size, and the
-    bytes of every real tensor; return each piece's byte offset in the file, by ``FlatPiece.key``."""
+    bytes of every real tensor; return where each piece goes (see ``Skeleton``)."""
     mode = FakeTensorMode()
     fakes: dict[int, torch.Tensor] = {}
     skeleton = _with_fakes(checkpoint, fakes, mode)
@@ -147,32 +161,36 @@ def write_skeleton(checkpoint: dict[str, Any], path: Path) -> dict[str, int]:
             torch.save(skeleton, stream, pickle_module=_recording_pickle_module(picklers))
         stream.flush()
     (recorder,) = picklers
-    offsets: dict[str, int] = {}
+    layout = Skeleton({}, {}, {}, {})
     with open(path, "rb") as stream:
         reader = torch._C.PyTorchFileReader(stream)
         record_offsets = {record: reader.get_record_offset(f"data/{record}") for record in recorder.storage_of_record}
+    prefix = _archive_name(path)
     fd = os.open(path, os.O_WRONLY)
     try:
         for record, storage in recorder.storage_of_record.items():
             untyped = _untyped(storage)
             piece_key = key_of_storage.get(untyped._cdata)
+            name = f"{prefix}/data/{record}"
             if piece_key is not None:
-                offsets[piece_key] = record_offsets[record]
+                layout.offsets[piece_key] = record_offsets[record]
+                layout.record_names[piece_key] = name
+                layout.record_sizes[piece_key] = untyped.nbytes()
             else:  # a real tensor: its bytes now
                 data = torch.empty(0, dtype=torch.uint8, device=untyped.device).set_(untyped).cpu()
-                _pwrite_all(fd, data, record_offsets[record])
+                layout.checksums[name] = _pwrite_all(fd, data, record_offsets[record])
         os.fsync(fd)
     finally:
         os.close(fd)
-    missing = set(key_of_storage.values()) - set(offsets)
+    missing = set(key_of_storage.values()) - set(layout.offsets)
     if missing:
         raise RuntimeError(f"internal error: no record was written for {sorted(missing)[:3]}")
-    return offsets
+    return layout
 
 
-def write_pieces(path: Path, pieces: list[FlatPiece], offsets: dict[str, int]) -> int:
-    """Every rank: write this rank's pieces into ``path`` at the offsets rank 0 found; the bytes written."""
-    written = 0
+def write_pieces(path: Path, pieces: list[FlatPiece], offsets: dict[str, int]) -> list[PieceChecksum]:
+    """Every rank: write this rank's pieces into ``path`` at the offsets rank 0 found; the checksum of each."""
+    written = []
     fd = os.open(path, os.O_WRONLY)
     try:
         for piece in pieces:
@@ -183,8 +201,9 @@ def write_pieces(path: Path, pieces: list[FlatPiece], offsets: dict[str, int]) -
             if piece.local.dtype != piece.dtype:
                 raise RuntimeError(f"{piece.key!r}: piece of dtype {piece.local.dtype}, tensor of {piece.dtype}")
             data = piece.local.detach().reshape(-1).cpu()
-            _pwrite_all(fd, data, offsets[piece.key] + piece.offset * data.element_size())
-            written += data.numel() * data.element_size()
+            start = piece.offset * data.element_size()
+            crc = _pwrite_all(fd, data, offsets[piece.key] + start)
+            written.append(PieceChecksum(piece.key, start, data.numel() * data.element_size(), crc))
             crash_point("partial", path)
         os.fsync(fd)
     finally:
@@ -192,8 +211,16 @@ def write_pieces(path: Path, pieces: list[FlatPiece], offsets: dict[str, int]) -
     return written
 
 
-def _pwrite_all(fd: int, tensor: torch.Tensor, position: int) -> None:
+def _archive_name(path: Path) -> str:
+    """The folder name every record of the archive at ``path`` starts with (``torch.save`` picks it)."""
+    with zipfile.ZipFile(path) as archive:
+        return archive.infolist()[0].filename.split("/", 1)[0]
+
+
+def _pwrite_all(fd: int, tensor: torch.Tensor, position: int) -> int:
+    """Write ``tensor``'s bytes at ``position``; their CRC-32 (see [Note: record checksums])."""
     view = memoryview(tensor.contiguous().view(torch.uint8).numpy())
     done = 0
     while done < len(view):
         done += os.pwrite(fd, view[done : done + _WRITE_CHUNK], position + done)
+    return zlib.crc32(view)

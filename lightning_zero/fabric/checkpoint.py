@@ -36,7 +36,8 @@ from lightning_zero.engine.checkpoint import (
     write_checkpoint_directory,
 )
 from lightning_zero.engine.files import atomic_torch_save, find_checkpoint
-from lightning_zero.strategies.checkpointing import read_meta
+from lightning_zero.strategies.checkpointing import check_file_together, read_meta
+from lightning_zero.strategies.saving import gather_from_every_rank
 
 if TYPE_CHECKING:
     from lightning_zero.fabric.strategy import ZeROFabricStrategy
@@ -105,7 +106,9 @@ def load_state(
 ) -> dict[str, Any]:
     """Restore ``state`` in place from a checkpoint of either format; return what was not restored."""
     path = find_checkpoint(path)
-    checkpoint = read_meta(path, weights_only, lightning_file=False)  # Fabric's files hold the user's keys
+    check_file_together(path, strategy.global_rank, strategy.world_size, lambda v: gather_from_every_rank(strategy, v))
+    # Fabric's files hold the user's keys.
+    checkpoint = read_meta(path, weights_only, lightning_file=False, checked=True)
     if isinstance(state, (Module, Optimizer)):  # fabric.load_raw
         if path.is_dir():
             raise ValueError(f"{str(path)!r} is a sharded checkpoint: load it with fabric.load(path, state_dict)")

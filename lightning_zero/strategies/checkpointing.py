@@ -19,6 +19,7 @@ Either kind loads at any world size, under any stage. Saves follow [Note: save p
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +30,16 @@ from lightning_zero.engine.files import atomic_torch_save, commit, find_checkpoi
 from lightning_zero.engine.safe_read import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
+    check_records,
     load_torch_file,
     regular_file,
 )
-from lightning_zero.strategies.saving import CheckpointSaveError, save_full, save_sharded_directory
+from lightning_zero.strategies.saving import (
+    CheckpointSaveError,
+    gather_from_every_rank,
+    save_full,
+    save_sharded_directory,
+)
 
 if TYPE_CHECKING:
     from lightning_zero.strategies.base import ZeROStrategy
@@ -65,8 +72,26 @@ def save(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None
         atomic_torch_save(checkpoint, path)
 
 
-def read_meta(path: Path, weights_only: bool | None, lightning_file: bool = True) -> dict[str, Any]:
-    """``meta.pt`` of a sharded checkpoint, or the whole dict of a full one (tensors memory-mapped, on the CPU)."""
+def check_file_together(path: Path, rank: int, world_size: int, gather: Callable[[Any], list[Any]]) -> None:
+    """Every rank checks its share of a full checkpoint file's checksums (``check_records``) and every rank raises
+    the same ``CorruptCheckpointError`` if any share failed (``gather``: every rank's value, on every rank). A
+    sharded checkpoint's ``meta.pt`` is small: ``read_meta`` checks it whole."""
+    problem = None
+    if not path.is_dir():
+        try:
+            problem = check_records(path.resolve(), rank, world_size)
+        except CorruptCheckpointError as err:
+            problem = str(err)
+    found = [p for p in gather(problem) if p]
+    if found:
+        raise CorruptCheckpointError(found[0])
+
+
+def read_meta(
+    path: Path, weights_only: bool | None, lightning_file: bool = True, checked: bool = False
+) -> dict[str, Any]:
+    """``meta.pt`` of a sharded checkpoint, or the whole dict of a full one (tensors memory-mapped, on the CPU).
+    ``checked``: the ranks have checked the full file's checksums together (``check_file_together``)."""
     if path.is_dir():
         root = path.resolve()
         try:
@@ -85,7 +110,8 @@ def read_meta(path: Path, weights_only: bool | None, lightning_file: bool = True
                 "lightning_zero section); convert it to a full checkpoint with that tool first"
             )
         return meta
-    checkpoint = load_torch_file(path.resolve(), weights_only)  # the path may be a link (save_last="link")
+    # The path may be a link (save_last="link").
+    checkpoint = load_torch_file(path.resolve(), weights_only, verify=not checked)
     if not isinstance(checkpoint, dict) or (lightning_file and not isinstance(checkpoint.get("state_dict"), dict)):
         raise CorruptCheckpointError(
             f"{str(path)!r} is not a Lightning checkpoint (it has no 'state_dict' entry). A plain state dict "
@@ -98,7 +124,10 @@ def read_meta(path: Path, weights_only: bool | None, lightning_file: bool = True
 def load(strategy: ZeROStrategy, path: Path, weights_only: bool | None, with_optimizers: bool) -> dict[str, Any]:
     """Load a checkpoint of either format into the strategy's shards; return the rest for Lightning."""
     path = find_checkpoint(path)
-    checkpoint = read_meta(path, weights_only)
+    check_file_together(
+        path, strategy.global_rank, strategy.world_size, lambda value: gather_from_every_rank(strategy, value)
+    )
+    checkpoint = read_meta(path, weights_only, checked=True)
     path = path.resolve() if path.is_dir() else path
     module = strategy.lightning_module
     strict = True if module is None else module.strict_loading

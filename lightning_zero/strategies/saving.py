@@ -21,6 +21,7 @@ written), ``before-commit``, ``after-commit`` (before the previous data is delet
 from __future__ import annotations
 
 import errno
+import itertools
 import math
 import uuid
 import warnings
@@ -31,7 +32,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.engine.checkpoint import META_FILE, SHARDS_PREFIX, checkpoint_meta, save_sharded
+from lightning_zero.engine.checkpoint import (
+    CHECKSUMS_KEY,
+    META_FILE,
+    SHARDS_PREFIX,
+    checkpoint_meta,
+    gather_checksums,
+    gather_to_zero,
+    save_sharded,
+)
+from lightning_zero.engine.checksums import PieceChecksum, join_checksums, write_checksums
 from lightning_zero.engine.files import (
     atomic_torch_save,
     commit,
@@ -40,7 +50,7 @@ from lightning_zero.engine.files import (
     remove_leftovers,
     temporary_path,
 )
-from lightning_zero.engine.torch_file import FlatPiece, pieces_in, write_pieces, write_skeleton
+from lightning_zero.engine.torch_file import FlatPiece, Skeleton, pieces_in, write_pieces, write_skeleton
 
 if TYPE_CHECKING:
     from lightning_zero.strategies.base import ZeROStrategy
@@ -67,7 +77,7 @@ def _describe(error: BaseException | None, rank: int) -> Report:
     return {rank: (f"{type(error).__name__}: {error}", no_space)}
 
 
-def _gather(strategy: ZeROStrategy, value: Any) -> list[Any]:
+def gather_from_every_rank(strategy: ZeROStrategy, value: Any) -> list[Any]:
     if not dist.is_available() or not dist.is_initialized() or strategy.world_size == 1:
         return [value]
     values: list[Any] = [None] * strategy.world_size
@@ -136,27 +146,31 @@ def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) ->
     tmp = temporary_path(path, token)
     pieces = list(pieces_in(checkpoint))
     crash_point("start", path)
-    offsets: dict[str, int] | None = None
+    skeleton: Skeleton | None = None
     error: BaseException | None = None
     if rank0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            offsets = write_skeleton(checkpoint, tmp)
+            skeleton = write_skeleton(checkpoint, tmp)
         except (Exception, CheckpointException) as err:
             error = err
-    offsets, report = strategy.broadcast((offsets, _describe(error, strategy.global_rank)))
+    offsets, report = strategy.broadcast((skeleton and skeleton.offsets, _describe(error, strategy.global_rank)))
     try:
         _raise_if_failed(path, [report], needed)
-        assert offsets is not None
+        checksums: list[PieceChecksum] = []
         try:
-            write_pieces(tmp, pieces, offsets)
+            checksums = write_pieces(tmp, pieces, offsets)
         except (Exception, CheckpointException) as err:
             error = err
-        _raise_if_failed(path, _gather(strategy, _describe(error, strategy.global_rank)), needed)
-        written = _elements_written(strategy, pieces, sorted(offsets))
+        _raise_if_failed(path, gather_from_every_rank(strategy, _describe(error, strategy.global_rank)), needed)
+        every_rank = gather_to_zero(checksums)
         if rank0:
+            assert skeleton is not None
             try:
-                _check_coverage(pieces, written)
+                records = join_checksums(
+                    itertools.chain.from_iterable(every_rank), skeleton.record_names, skeleton.record_sizes
+                )
+                write_checksums(tmp, {**skeleton.checksums, **records})
                 crash_point("before-commit", path)
                 commit(tmp, path)
                 crash_point("after-commit", path)
@@ -178,28 +192,6 @@ def _tidy(cleanup: Any) -> None:
         cleanup()
     except OSError as err:
         warnings.warn(f"the checkpoint was saved, but deleting the data it replaced failed: {err}", stacklevel=3)
-
-
-def _elements_written(strategy: ZeROStrategy, pieces: list[FlatPiece], keys: list[str]) -> dict[str, int]:
-    """How many elements of each tensor all ranks wrote together (one all-reduce of one number per tensor)."""
-    position = {key: i for i, key in enumerate(keys)}
-    counts = [0] * len(keys)
-    for piece in pieces:
-        counts[position[piece.key]] += piece.local.numel()
-    total = torch.tensor(counts, dtype=torch.int64, device=strategy.root_device)
-    if dist.is_available() and dist.is_initialized() and strategy.world_size > 1:
-        dist.all_reduce(total)
-    return dict(zip(keys, total.tolist()))
-
-
-def _check_coverage(pieces: list[FlatPiece], written: dict[str, int]) -> None:
-    for piece in pieces:
-        total = written.get(piece.key, 0)
-        if total != math.prod(piece.shape):
-            raise RuntimeError(
-                f"the ranks wrote {total} of the {math.prod(piece.shape)} elements of {piece.key!r}: the ranks' "
-                "optimizer or model states differ, so the file would be incomplete"
-            )
 
 
 def _commits_in_place(path: Path) -> bool:
@@ -227,16 +219,18 @@ def save_sharded_directory(strategy: ZeROStrategy, checkpoint: dict[str, Any], p
     committed = False
     error: BaseException | None = None
     try:
+        mine: dict[str, int] = {}
         try:
-            save_sharded(state, shards, token, strategy.global_rank)
+            mine = save_sharded(state, shards, token, strategy.global_rank)
             crash_point("partial", path)
         except (Exception, CheckpointException) as err:
             error = err
-        _raise_if_failed(path, _gather(strategy, _describe(error, strategy.global_rank)), needed)
+        _raise_if_failed(path, gather_from_every_rank(strategy, _describe(error, strategy.global_rank)), needed)
+        checksums = gather_checksums(mine)
         if rank0:
             try:
                 meta = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
-                meta["lightning_zero"] = {**zero_meta, "save_id": token}
+                meta["lightning_zero"] = {**zero_meta, "save_id": token, CHECKSUMS_KEY: checksums}
                 if not in_place:
                     atomic_torch_save(meta, root / META_FILE)
                 crash_point("before-commit", path)
