@@ -32,8 +32,9 @@ from lightning_zero.engine.layout import ParamShard
 from lightning_zero.engine.materialize import has_meta_tensors, materialize_units
 from lightning_zero.engine.mesh import ShardGroups, ShardSize, resolve_shard_size
 from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params
+from lightning_zero.engine.param_checks import check_no_shared_memory, check_no_sparse_gradients, check_unit_params
 from lightning_zero.engine.stage3 import Stage3Hooks
-from lightning_zero.engine.unit import ShardedUnit, check_unit_params
+from lightning_zero.engine.unit import ShardedUnit
 
 STAGES = (1, 2, 3)
 
@@ -97,6 +98,8 @@ class ShardedModel:
             )
         for plan in plans:  # all of them before sharding any: a refused model is left untouched
             check_unit_params(plan.name, plan.params, plan.param_names)
+        check_no_shared_memory(module)
+        check_no_sparse_gradients(module)
         if stage < 3:
             plans = bucket_units(plans, bucket_numel)
         self.module = module

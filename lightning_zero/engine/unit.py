@@ -134,6 +134,7 @@ from torch import nn
 
 from lightning_zero.engine.comm import Comm, Pending
 from lightning_zero.engine.layout import ParamShard, ShardLayout
+from lightning_zero.engine.param_checks import check_unit_params
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -728,6 +729,8 @@ def _chunk_plan(width: int, offset: int, numel: int) -> list[_Place]:
     0, else ``rows`` whole rows from ``row`` on."""
     width -= 1
     places: list[_Place] = []
+    if numel == 0:  # nothing to place (and in a unit of 0-element parameters, rows of width 0)
+        return places
     position, end = offset, offset + numel
     row, column = divmod(position, width)
     if column and position < end:
@@ -761,21 +764,3 @@ def placeholder_like(param: torch.Tensor) -> torch.Tensor:
     """A parameter's stand-in while its unit is sharded: one NaN element expanded to the parameter's shape
     (see [Note: parameters outside their unit's use])."""
     return torch.full((), float("nan"), dtype=param.dtype, device=param.device).expand(param.shape)
-
-
-def check_unit_params(name: str, params: list[nn.Parameter], names: list[str]) -> None:
-    if not params:
-        raise ValueError(f"unit {name!r} has no parameters")
-    for param, pname in zip(params, names):
-        if not param.is_floating_point():
-            raise ValueError(
-                f"parameter {pname!r} in unit {name!r} has dtype {param.dtype}; ZeRO shards floating-point "
-                "parameters only. Register integer tensors as buffers (module.register_buffer) instead."
-            )
-        other_device = param.device != params[0].device and not (param.is_meta or params[0].is_meta)
-        if param.dtype != params[0].dtype or other_device:
-            raise ValueError(
-                f"unit {name!r} mixes dtypes/devices: {names[0]!r} is {params[0].dtype} on {params[0].device}, "
-                f"{pname!r} is {param.dtype} on {param.device}. Put them in separate units (unit_modules=...) "
-                "or cast the module to one dtype and device before training."
-            )
