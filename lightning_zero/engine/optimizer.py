@@ -19,6 +19,7 @@ import copy
 import inspect
 from collections import defaultdict
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 import torch
 from torch import nn
@@ -133,3 +134,34 @@ def slice_state(key: str, value: object, param: torch.Tensor, piece: ParamShard)
         assert isinstance(value, torch.Tensor)
         return value.detach().reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone()
     return value
+
+
+class ShardedOptimizerStateError(RuntimeError):
+    """An optimizer whose per-parameter states stayed sharded when its run ended (their full form did not fit in
+    memory) was asked for its state or to step."""
+
+
+def guard_sharded_state(optimizer: Optimizer, why: str) -> None:
+    """Leave ``optimizer``'s states as this rank's shards, and make ``state_dict()`` and ``step()`` raise
+    ``ShardedOptimizerStateError`` saying so, instead of returning or stepping shard-shaped states as if they were
+    full; ``load_state_dict()`` of a full state makes it an ordinary optimizer again (see [Note: what fits at the
+    end] in ``free_memory.py``)."""
+    name = type(optimizer).__name__
+    message = (
+        f"{name}'s per-parameter states stayed sharded when the run ended, because {why}: gathering them would have "
+        f"ended the process. Save them while the run is on, where every rank writes its own shard (ModelCheckpoint, "
+        f"or trainer.save_checkpoint(...) in a callback's on_train_end); after it, save the weights with "
+        f"trainer.save_checkpoint(path, weights_only=True), and build a new optimizer to train on."
+    )
+    handles: list[Any] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ShardedOptimizerStateError(message)
+
+    def restored(*args: Any, **kwargs: Any) -> None:
+        for handle in handles:
+            handle.remove()
+
+    handles.append(optimizer.register_state_dict_pre_hook(refuse))
+    handles.append(optimizer.register_step_pre_hook(refuse))
+    handles.append(optimizer.register_load_state_dict_post_hook(restored))

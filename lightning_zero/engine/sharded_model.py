@@ -14,10 +14,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm import Comm
+from lightning_zero.engine.free_memory import FIT_MARGIN, available_bytes, describe_bytes, fits
 from lightning_zero.engine.full_state import (
     ShardLoader,
     StateDictGatherer,
@@ -31,7 +33,7 @@ from lightning_zero.engine.init_trace import InitTrace
 from lightning_zero.engine.layout import ParamShard
 from lightning_zero.engine.materialize import has_meta_tensors, materialize_units
 from lightning_zero.engine.mesh import ShardGroups, ShardSize, resolve_shard_size
-from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params
+from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params, guard_sharded_state, is_param_shaped
 from lightning_zero.engine.param_checks import check_no_shared_memory, check_no_sparse_gradients, check_unit_params
 from lightning_zero.engine.stage3 import Stage3Hooks
 from lightning_zero.engine.unit import ShardedUnit
@@ -554,11 +556,42 @@ class ShardedModel:
                 unit.release_without_peers()
             return
         self.adopt_rebound_data()  # e.g. ModelPruning's permanent weights, set with p.data = ... at the end of fit
+        kept_sharded = self._optimizer_states_that_do_not_fit()
         for optimizer in self.optimizers:
-            self._unbind_optimizer(optimizer)
+            if kept_sharded is None:
+                self._unbind_optimizer(optimizer)
+            else:
+                guard_sharded_state(optimizer, kept_sharded)
         self.optimizers.clear()
         for unit in self.units:
             unit.release()
+
+    def _optimizer_states_that_do_not_fit(self) -> str | None:
+        """Why the optimizers' full per-parameter states would not fit on some rank's device (see [Note: what fits
+        at the end] in ``free_memory.py``), or ``None`` if they fit on every rank (a collective when there are
+        optimizers)."""
+        if not self.optimizers:
+            return None
+        needed: dict[torch.device, int] = {}
+        for optimizer in self.optimizers:
+            for held, entry in optimizer.state.items():
+                param, _ = self._param_of[held]
+                shard_param = self._shard_of[param][0]
+                for key, value in entry.items():
+                    if is_param_shaped(key, value, shard_param):
+                        needed[value.device] = needed.get(value.device, 0) + param.numel() * value.element_size()
+        short = next(((d, n) for d, n in needed.items() if not fits(n, d)), None)
+        flag = torch.tensor([0 if short else 1], dtype=torch.int64, device=self.units[0].device)
+        self.comm.all_reduce(flag, op=dist.ReduceOp.MIN, name="whether the full optimizer states fit")
+        if int(flag.item()) == 1:
+            return None
+        if short is None:
+            return "they do not fit in the memory of another rank"
+        device, count = short
+        return (
+            f"they need {describe_bytes(count)} of {device.type} memory on this rank, more than "
+            f"{FIT_MARGIN:.0%} of the {describe_bytes(available_bytes(device) or 0)} that is free"
+        )
 
     def _unbind_optimizer(self, optimizer: Optimizer) -> None:
         full = self.full_optimizer_state_dict(optimizer)

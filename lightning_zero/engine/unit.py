@@ -474,14 +474,25 @@ class ShardedUnit:
 
     def release(self) -> None:
         """Give every parameter its own storage again, with the master values in the master dtype (the
-        module becomes a plain module, as before sharding)."""
-        full = self.full_flat()
-        self.reshard()
+        module becomes a plain module, as before sharding), and free this unit's shards and buffers at once, so
+        that releasing a model unit by unit never holds much more than its full parameters (see [Note: what fits
+        at the end] in ``free_memory.py``). The unit cannot be used afterwards."""
+        self._finish_gather()
+        in_place = self.state is UnitState.UNSHARDED and not self.separate_master
+        full = self.flat if in_place else self.full_flat()  # the parameters' own values, or a gathered copy
         with torch.no_grad():
             for param, offset, numel in zip(self.params, self.layout.offsets, self.layout.numels):
                 param.data = full[offset : offset + numel].view(param.shape).clone()
+        del full
         self._exposed = True
         self.state = UnitState.UNSHARDED
+        for shard_param in self.shard_params:
+            shard_param.grad = None
+            shard_param.data = shard_param.data.new_empty(0)
+        self.master = self.master.new_empty(0)
+        self.flat = self.flat.new_empty(0)
+        self.shard = None
+        self._views, self._placeholders, self._aliases = [], [], {}
 
     # ------------------------------------------------------------------ user access and optimizer steps
     @property
