@@ -10,6 +10,7 @@ ranks the straight, uninterrupted run of each stage is compared too.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -322,3 +323,38 @@ class _SaveWeightsOnly(L.Callback):
 def test_weights_only_checkpoint_cannot_resume_training(tmp_path: Path) -> None:
     spawn(_resume_weights_only, world_size=2, timeout=120, root=str(tmp_path))
     assert (tmp_path / "w.ckpt" / "meta.pt").is_file()
+
+
+@dataclasses.dataclass
+class TrainingConfig:
+    width: int = 8
+
+
+class ConfiguredNet(ParityNet):
+    """Hyper-parameters holding a dataclass: the checkpoint pickles it, so ``weights_only=True`` refuses it."""
+
+    def __init__(self, config: TrainingConfig | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def _resume_with_a_dataclass(rank: int, world_size: int, root: str) -> None:
+    path = f"{root}/configured.ckpt"
+    torch.manual_seed(0)
+    first = quiet_trainer(strategy="zero3", devices=world_size, max_steps=2)
+    first.fit(ConfiguredNet(TrainingConfig()))
+    first.save_checkpoint(path)
+    advice = (
+        r"If you trust the file, allow tests\.test_checkpoints\.TrainingConfig around the call that loads it: "
+        r"`with torch\.serialization\.safe_globals\(\[tests\.test_checkpoints\.TrainingConfig\]\)"
+    )
+    with pytest.raises(UnsafeCheckpointError, match=advice):
+        quiet_trainer(strategy="zero3", devices=world_size, max_steps=4).fit(ConfiguredNet(), ckpt_path=path)
+    with torch.serialization.safe_globals([TrainingConfig]):  # the advice, followed: the run resumes
+        trainer = quiet_trainer(strategy="zero3", devices=world_size, max_steps=4)
+        trainer.fit(ConfiguredNet(), ckpt_path=path)
+    assert trainer.global_step == 4
+
+
+def test_a_dataclass_in_the_hyper_parameters_gets_advice_that_works(tmp_path: Path) -> None:
+    spawn(_resume_with_a_dataclass, world_size=2, root=str(tmp_path))

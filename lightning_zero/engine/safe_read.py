@@ -31,6 +31,7 @@ import itertools
 import math
 import os
 import pickle
+import re
 import stat
 import struct
 import warnings
@@ -87,6 +88,23 @@ def _torch_refusal(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     named = [line for line in lines if "GLOBAL" in line or "unsupported" in line.lower()]
     return (named or lines[-1:] or ["no detail given"])[0]
+
+
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+) was not an allowed global")
+
+
+def _trust_advice(error: BaseException) -> str:
+    """How to load a refused file anyway, if it is trusted, in a way every entry point honours: Lightning's Trainer
+    does not pass ``weights_only`` on to a strategy that restores after setup (this one), but a ``safe_globals``
+    block around the call reaches every rank's ``torch.load``."""
+    named = _REFUSED_GLOBAL.search(str(error))
+    allow = named.group(1) if named else "the classes it names"
+    return (
+        f"If you trust the file, allow {allow} around the call that loads it: "
+        f"`with torch.serialization.safe_globals([{allow if named else '...'}]): trainer.fit(..., ckpt_path=...)` "
+        "(the Trainer does not pass weights_only=False on to this strategy; fabric.load and consolidate_checkpoint "
+        "also take weights_only=False)"
+    )
 
 
 _METADATA_CLASSES: dict[tuple[str, str], Any] = {
@@ -349,7 +367,7 @@ def load_torch_file(path: Path, weights_only: bool | None, verify: bool = True) 
         raise UnsafeCheckpointError(
             f"{str(path)!r} holds objects that only arbitrary pickle code can rebuild, so it was not loaded "
             f"(torch: {_torch_refusal(err)})",
-            advice="If you trust the file, pass weights_only=False (e.g. trainer.fit(..., weights_only=False)).",
+            advice=_trust_advice(err),
         ) from err
     except (RuntimeError, EOFError, OSError, KeyError, ValueError, AttributeError, IndexError) as err:
         raise CorruptCheckpointError(f"{str(path)!r} is truncated or corrupted and was not loaded: {err}") from err
