@@ -167,6 +167,17 @@ def _errors(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="not a parameter of the LightningModule"):
         quiet_trainer(strategy="zero1", devices=world_size, max_steps=3).fit(AddsForeignTensor())
 
+    # A parameter registered on the module after setup is named, with the way that works (register it frozen first).
+    class RegistersLate(ParityNet):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 1:
+                self.late = nn.Parameter(torch.zeros(3))
+                self.trainer.optimizers[0].add_param_group({"params": [self.late]})
+
+    late = r"holds the parameter 'late', which was registered on the LightningModule after the strategy sharded it"
+    with pytest.raises(ValueError, match=late):
+        quiet_trainer(strategy="zero3", devices=world_size, max_steps=3).fit(RegistersLate())
+
 
 def test_bad_optimizer_and_empty_model_fail_at_setup_on_every_rank() -> None:
     assert spawn(_errors, world_size=2, timeout=120) == [None, None]

@@ -102,23 +102,36 @@ def bind_optimizer(optimizer: Optimizer, shards: dict[nn.Parameter, tuple[nn.Par
         optimizer.state[param] = {k: slice_state(k, v, param, shards[param][1]) for k, v in state.items()}
 
 
-def check_optimizer_params(optimizer: Optimizer, known: AbstractSet[int]) -> None:
+def check_optimizer_params(optimizer: Optimizer, known: AbstractSet[int], module: nn.Module | None = None) -> None:
     """Raise ``ValueError`` if a param group holds a tensor that is not a parameter of the sharded module (whose
     ``id``s are ``known``; ids, not the tensors, so that no tensor ``__hash__`` runs: this runs every step), or
-    one parameter twice."""
+    one parameter twice. ``module``: the sharded module, to tell a parameter registered on it after setup."""
     seen: set[int] = set()
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in known:
-                raise ValueError(
-                    f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that is not a "
-                    "parameter of the LightningModule. configure_optimizers must only use self.parameters()."
-                )
+                raise ValueError(_foreign_parameter(optimizer, param, module))
             if id(param) in seen:
                 raise ValueError(
                     f"a parameter of shape {tuple(param.shape)} appears twice in {type(optimizer).__name__}"
                 )
             seen.add(id(param))
+
+
+def _foreign_parameter(optimizer: Optimizer, param: torch.Tensor, module: nn.Module | None) -> str:
+    name = type(optimizer).__name__
+    registered = next((n for n, p in module.named_parameters() if p is param), None) if module is not None else None
+    if registered is not None:
+        return (
+            f"{name} holds the parameter {registered!r}, which was registered on the LightningModule after the "
+            "strategy sharded it, so it has no shard to step. Register every parameter before training starts (in "
+            "__init__ or configure_model), frozen with requires_grad=False if it should not train yet, and unfreeze "
+            "it (requires_grad=True, and add_param_group if it is not in an optimizer) when it should."
+        )
+    return (
+        f"{name} holds a parameter of shape {tuple(param.shape)} that is not a parameter of the LightningModule. "
+        "configure_optimizers must only use self.parameters()."
+    )
 
 
 def is_param_shaped(key: str, value: object, param: torch.Tensor) -> bool:

@@ -341,7 +341,7 @@ class ShardedModel:
             self._exit_shards()
 
     def _enter_shards(self, optimizer: Optimizer) -> None:
-        check_optimizer_params(optimizer, self._own_ids)  # e.g. add_param_group with a foreign tensor
+        check_optimizer_params(optimizer, self._own_ids, self.module)  # e.g. add_param_group with a foreign tensor
         reducer = self.reducer
         saved = []
         self._on_shards_units = self.units_of(optimizer)
@@ -395,7 +395,7 @@ class ShardedModel:
         return units
 
     def _find_units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
-        check_optimizer_params(optimizer, self._own_ids)
+        check_optimizer_params(optimizer, self._own_ids, self.module)
         stepped = {id(self._unit_of[p]) for group in optimizer.param_groups for p in group["params"]}
         return [u for u in self.units if id(u) in stepped]
 
