@@ -6,11 +6,13 @@
 - a save killed at each point of its protocol resumes, through Lightning's own ``ckpt_path="last"``,
   from the newest complete checkpoint, with DDP's losses;
 - a save that fails on one rank (a write error, a full disk) fails on every rank, leaves nothing behind
-  and the previous checkpoint intact.
+  and the previous checkpoint intact;
+- two jobs saving one name into one directory delete none of each other's saves in progress.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import resource
@@ -21,6 +23,8 @@ import sys
 import time
 import warnings
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -33,8 +37,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from lightning_zero import ZeRO3Strategy, consolidate_checkpoint
 from lightning_zero.__main__ import main as cli_main
+from lightning_zero.engine import files
 from lightning_zero.engine.checksums import records, tensor_records
-from lightning_zero.engine.files import KILL_AT
+from lightning_zero.engine.files import KILL_AT, hold, new_token, release, temporary_path
 from lightning_zero.engine.safe_read import CorruptCheckpointError, UnsafeCheckpointError
 from lightning_zero.strategies.saving import CheckpointSaveError
 from tests.distributed import spawn
@@ -81,8 +86,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_pieces_written_by_two_ranks_make_the_file_torch_save_would_write(tmp_path: Path) -> None:
     """The writer on one process, playing both ranks: a 3x4 weight split 7/5 elements, tied under two names,
     an optimizer state split the same way, a real buffer and a step counter."""
-    from lightning_zero.engine.torch_file import FlatPiece, write_pieces, write_skeleton
     from lightning_zero.engine.checksums import RecordChecksumError, join_checksums, write_checksums
+    from lightning_zero.engine.torch_file import FlatPiece, write_pieces, write_skeleton
 
     weight, state = torch.randn(3, 4), torch.randn(3, 4)
     flat_w, flat_s = weight.reshape(-1), state.reshape(-1)
@@ -598,3 +603,191 @@ def test_a_full_disk_fails_cleanly_and_gives_the_space_back(tmp_path: Path) -> N
         spawn(_fill_the_disk, world_size=2, timeout=300, root=str(disk))
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+# ---------------------------------------------------------------------- two runs saving into one directory
+_HOLDER = """
+import fcntl, os, sys, time
+held = [os.open(path, os.O_RDONLY) for path in sys.argv[1:]]
+for fd in held:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+OTHER_RUN = "0ther0job0run"  # another job's run id, in the tokens of its saves (not hex: never a files.RUN)
+DEAD_RUN = "deadjob0run0"  # a job killed an hour ago
+HOUR = 3600.0
+
+
+@contextmanager
+def _held_by_another_process(paths: list[Path]) -> Iterator[subprocess.Popen]:
+    """A live process (another job's rank 0, mid-save) holding an exclusive flock on each of ``paths``."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, *map(str, paths)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _leftover(path: Path, content: bytes, directory: bool = False, age: float = 0.0) -> Path:
+    """A file, or a directory holding one file, with ``content``, last modified ``age`` seconds ago."""
+    if directory:
+        path.mkdir(parents=True)
+        (path / "__0_0.distcp").write_bytes(content)
+        os.utime(path / "__0_0.distcp", (time.time() - age, time.time() - age))
+    else:
+        path.write_bytes(content)
+    os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def _content(path: Path) -> bytes:
+    return (path / "__0_0.distcp").read_bytes() if path.is_dir() else path.read_bytes()
+
+
+def _is_locked(path: Path) -> bool:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def test_a_cleanup_deletes_only_what_saves_that_are_over_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule of [Note: crash-safe saves] on one process: what a live process holds is kept; what nobody holds is
+    deleted if this run wrote it, or on a local file system, or (on a network file system) after 10 minutes."""
+    path = tmp_path / "last.ckpt"
+    path.write_bytes(b"the committed checkpoint")
+    assert files.on_local_file_system(tmp_path) and not files.on_local_file_system(Path("/proc"))
+    assert new_token().startswith(files.RUN) and new_token().isalnum() and new_token() != new_token()
+
+    def name(run: str) -> Path:
+        return temporary_path(path, run + os.urandom(10).hex())
+
+    hour = HOUR
+    for local in (True, False):  # False: a network file system, where a writer elsewhere may hold an unseen lock
+        monkeypatch.setattr(files, "on_local_file_system", lambda directory, local=local: local)
+        live = [
+            _leftover(name(OTHER_RUN), b"live"),
+            _leftover(name(OTHER_RUN), b"live, a directory", directory=True),
+            _leftover(name(OTHER_RUN), b"live, unmodified for an hour", age=hour),
+        ]
+        own = [_leftover(name(files.RUN), b"killed"), _leftover(name(files.RUN), b"killed", directory=True)]
+        dead_old = [_leftover(name(DEAD_RUN), b"killed", age=hour), _leftover(name(DEAD_RUN), b"killed", True, hour)]
+        dead_new = [_leftover(name(DEAD_RUN), b"killed"), _leftover(name(DEAD_RUN), b"killed", directory=True)]
+        deleting = _leftover(files.hidden_sibling(path, files.DELETING, new_token()), b"half", directory=True)
+        mine = name(files.RUN)
+        lock = hold(mine)  # this process's own save in progress: another descriptor, so flock tells them apart
+        with _held_by_another_process(live):
+            files.remove_leftovers(path)
+            assert [_content(p) for p in live] == [b"live", b"live, a directory", b"live, unmodified for an hour"]
+            assert all(_is_locked(p) for p in live)  # still held by their writer: the cleanup let go
+            assert mine.exists() and _is_locked(mine)
+            assert not any(p.exists() for p in own + dead_old + [deleting]), local
+            assert all(p.exists() for p in dead_new) == (not local), local  # 10 minutes, where locks may hide
+            assert path.read_bytes() == b"the committed checkpoint"
+        release(lock)
+        files.remove_leftovers(path)  # nobody holds any now: the rest goes, or waits for its 10 minutes
+        left = sorted(p.name for p in tmp_path.iterdir() if p != path)
+        assert left == ([] if local else sorted(p.name for p in live[:2] + dead_new)), local
+        for leftover in tmp_path.glob(".last.ckpt.*"):
+            files.remove(leftover)
+
+    # A cleanup holds the lock until it is done, so that no save takes the name up meanwhile.
+    leftover = _leftover(name(DEAD_RUN), b"killed", age=hour)
+    with files.claimed(leftover) as over:
+        assert over and _is_locked(leftover)
+    with files.claimed(tmp_path / ".last.ckpt.tmp-gone") as over:
+        assert not over
+
+    # A sharded checkpoint's clean-up deletes no shards once another run has committed over this save's meta.pt.
+    from lightning_zero.strategies.saving import _remove_replaced_shards
+
+    checkpoint = tmp_path / "sharded.ckpt"
+    replaced = _leftover(checkpoint / f"shards-{new_token()}", b"replaced", directory=True)
+    mine, theirs = f"shards-{new_token()}", f"shards-{OTHER_RUN}f6"
+    for shards in (mine, theirs):
+        (checkpoint / shards).mkdir()
+    ours = files.atomic_torch_save({"save_id": mine}, checkpoint / "meta.pt")
+    newer = files.atomic_torch_save({"save_id": theirs}, checkpoint / "meta.pt")  # the other run's commit
+    _remove_replaced_shards(checkpoint, mine, ours)
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted(["meta.pt", replaced.name, mine, theirs])
+    _remove_replaced_shards(checkpoint, theirs, newer)  # the other run's clean-up
+    assert sorted(p.name for p in checkpoint.iterdir()) == ["meta.pt", theirs]
+
+
+def _save_beside_another_job(rank: int, world_size: int, root: str) -> dict[str, list[str]]:
+    """This job: in each format, a fit that saves ``last.ckpt`` at the end of every epoch (``ModelCheckpoint``), into
+    the directory where another job's saves of that name are in progress. Before each fit, rank 0 leaves what
+    interrupted saves of this run would have left; it returns their paths."""
+    own: dict[str, list[str]] = {}
+    for checkpoint_format in ("full", "sharded"):
+        directory = Path(root, checkpoint_format)
+        last = directory / "last.ckpt"
+        planted = []
+        if rank == 0:
+            sharded = checkpoint_format == "sharded"
+            planted.append(_leftover(temporary_path(last, new_token()), b"this run's, interrupted", directory=sharded))
+            if sharded:  # an interrupted save of this run in place, into the checkpoint another run left
+                planted.append(_leftover(last / f"shards-{new_token()}", b"this run's, interrupted", directory=True))
+        own[checkpoint_format] = [str(p) for p in planted]
+        torch.manual_seed(0)
+        trainer = quiet_trainer(
+            strategy=_strategy(checkpoint_format),
+            devices=world_size,
+            max_epochs=3,
+            enable_checkpointing=True,
+            # The same name whatever is there already (without it, Lightning would pick last-v1.ckpt beside the other
+            # job's last.ckpt; jobs that start together collide either way).
+            callbacks=[ModelCheckpoint(dirpath=directory, save_last=True, enable_version_counter=False)],
+        )
+        trainer.fit(_model())
+    return own
+
+
+def test_two_jobs_saving_one_name_into_one_directory_leave_each_other_alone(tmp_path: Path) -> None:
+    """A sweep's two jobs share ``ModelCheckpoint(dirpath=...)`` and both save ``last.ckpt``. While the other job's
+    saves are in progress (its temporary file, its temporary directory, its new shards and ``meta.pt`` inside the
+    checkpoint, each held with ``flock`` by a live process), this job saves ``last.ckpt`` three times in each format:
+    the other job's files stay, whole; this run's own interrupted saves and a dead job's hour-old ones go."""
+    others: dict[str, list[Path]] = {}
+    dead: list[Path] = []
+    for checkpoint_format in ("full", "sharded"):
+        last = tmp_path / checkpoint_format / "last.ckpt"
+        last.parent.mkdir()
+        sharded = checkpoint_format == "sharded"
+        others[checkpoint_format] = [
+            _leftover(temporary_path(last, f"{OTHER_RUN}a1"), f"other job, {checkpoint_format}".encode(), sharded)
+        ]
+        dead.append(_leftover(temporary_path(last, f"{DEAD_RUN}b2"), b"dead job", directory=sharded, age=HOUR))
+        if sharded:  # a checkpoint of that name by another run, so this job's saves commit in place
+            last.mkdir()
+            _leftover(last / "meta.pt", b"another run's meta.pt", age=HOUR)
+            dead.append(_leftover(last / f"shards-{DEAD_RUN}c3", b"another run's shards", directory=True, age=HOUR))
+            others[checkpoint_format] += [
+                _leftover(last / f"shards-{OTHER_RUN}d4", b"other job, new shards", directory=True),
+                _leftover(temporary_path(last / "meta.pt", f"{OTHER_RUN}e5"), b"other job, meta.pt"),
+            ]
+    held = others["full"] + others["sharded"]
+    contents = [_content(p) for p in held]
+    with _held_by_another_process(held) as holder:
+        own = spawn(_save_beside_another_job, world_size=2, timeout=300, root=str(tmp_path))[0]
+        assert holder.poll() is None
+        assert [_content(p) for p in held] == contents  # every one whole, and still held by its writer
+        assert all(_is_locked(p) for p in held)
+    for checkpoint_format in ("full", "sharded"):
+        directory = tmp_path / checkpoint_format
+        hidden = sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+        assert hidden == [others[checkpoint_format][0].name], (checkpoint_format, hidden)
+        assert own[checkpoint_format] and not any(Path(p).exists() for p in own[checkpoint_format])
+        assert consolidate_checkpoint(directory / "last.ckpt")["epoch"] == 2  # this job's third save, complete
+    last = tmp_path / "sharded" / "last.ckpt"
+    shards = sorted(p.name for p in last.glob("shards-*"))
+    assert len(shards) == 2 and f"shards-{OTHER_RUN}d4" in shards, shards  # this job's, and the other's in progress
+    assert sorted(p.name for p in last.glob(".*")) == [others["sharded"][2].name]
+    assert not any(p.exists() for p in dead)

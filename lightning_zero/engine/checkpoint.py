@@ -51,7 +51,7 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.optim import Optimizer
 
 from lightning_zero.engine.checksums import StoredEntry, entry_checksums, share_by_size
-from lightning_zero.engine.files import atomic_torch_save, commit, temporary_path
+from lightning_zero.engine.files import atomic_torch_save, commit, hold, release, temporary_path
 from lightning_zero.engine.optimizer import is_param_shaped
 from lightning_zero.engine.safe_read import SAVE_ID_PREFIX, CorruptCheckpointError, SafeFileSystemReader
 from lightning_zero.engine.sharded_model import ShardedModel
@@ -322,13 +322,20 @@ def write_checkpoint_directory(
     by one rename (a collective: call on every rank with the same ``token``). The Fabric strategies use it; the
     Trainer strategies' ``strategies/saving.py`` writes the same layout, with failure reports from every rank."""
     tmp = temporary_path(path, token)
-    checksums = gather_checksums(save_sharded(shards, tmp / f"{SHARDS_PREFIX}{token}", token, rank))
-    barrier("lightning_zero.save")
-    if is_global_zero:
-        meta = {**meta, "lightning_zero": {**meta["lightning_zero"], "save_id": token, CHECKSUMS_KEY: checksums}}
-        atomic_torch_save(meta, tmp / META_FILE)
+    lock = None
+    if is_global_zero:  # held before any rank writes into it (see [Note: crash-safe saves] in engine/files.py)
         path.parent.mkdir(parents=True, exist_ok=True)
-        commit(tmp, path)
+        lock = hold(tmp, directory=True)
+    try:
+        barrier("lightning_zero.hold")
+        checksums = gather_checksums(save_sharded(shards, tmp / f"{SHARDS_PREFIX}{token}", token, rank))
+        barrier("lightning_zero.save")
+        if is_global_zero:
+            meta = {**meta, "lightning_zero": {**meta["lightning_zero"], "save_id": token, CHECKSUMS_KEY: checksums}}
+            atomic_torch_save(meta, tmp / META_FILE)
+            commit(tmp, path)
+    finally:
+        release(lock)
     barrier("lightning_zero.commit")
 
 

@@ -16,7 +16,6 @@ Both load at any world size and under any stage; both are written atomically.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,7 +34,7 @@ from lightning_zero.engine.checkpoint import (
     sharded_optimizer_state,
     write_checkpoint_directory,
 )
-from lightning_zero.engine.files import atomic_torch_save, find_checkpoint
+from lightning_zero.engine.files import atomic_torch_save, find_checkpoint, new_token
 from lightning_zero.strategies.checkpointing import check_file_together, read_meta
 from lightning_zero.strategies.saving import gather_from_every_rank
 
@@ -91,7 +90,7 @@ def save_sharded_state(
     meta["lightning_zero"] = zero_meta
     # What a Trainer checks first when it loads a checkpoint (ckpt_path=...): the directory is its format too.
     meta.setdefault(VERSION_KEY, lightning.__version__)
-    token = strategy.broadcast(uuid.uuid4().hex)
+    token = strategy.broadcast(new_token())
     write_checkpoint_directory(
         shards, meta, path, token, strategy.is_global_zero, strategy.barrier, strategy.global_rank
     )

@@ -18,7 +18,6 @@ Either kind loads at any world size, under any stage. Saves follow [Note: save p
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero.engine.checkpoint import META_FILE, consolidate_state, load_sharded
-from lightning_zero.engine.files import atomic_torch_save, commit, find_checkpoint, temporary_path
+from lightning_zero.engine.files import (
+    atomic_torch_save,
+    commit,
+    find_checkpoint,
+    hold,
+    new_token,
+    release,
+    remove,
+    temporary_path,
+)
 from lightning_zero.engine.safe_read import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
@@ -195,6 +203,13 @@ def save_safetensors(state_dict: dict[str, Any], output: Path) -> None:
         raise ImportError("writing .safetensors needs the safetensors package: pip install safetensors") from err
     tensors = {k: v.detach().clone().contiguous() for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(output, uuid.uuid4().hex)
-    save_file(tensors, str(tmp))
-    commit(tmp, output)
+    tmp = temporary_path(output, new_token())
+    lock = hold(tmp)
+    try:
+        save_file(tensors, str(tmp))
+        commit(tmp, output)
+    except BaseException:
+        remove(tmp)
+        raise
+    finally:
+        release(lock)

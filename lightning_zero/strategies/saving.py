@@ -14,6 +14,11 @@ checkpoint untouched. Only rank 0 commits, after every rank's data is durable (`
   checkpoint, or inside a hidden temporary directory for a new one); rank 0 writes ``meta.pt``, which
   commits (see [Note: sharded layout] in ``engine/checkpoint.py``), and deletes the previous shards.
 
+Rank 0 creates the temporary file, or the directory the ranks write into, and holds its ``flock``
+until the commit or the removal (``hold`` in ``engine/files.py``), before any rank writes into it; its
+clean-up after the commit deletes only what saves that are over left (see [Note: crash-safe saves]), and
+nothing more once another run has committed a newer ``meta.pt`` over this save's: that run cleans up.
+
 ``crash_point`` marks the moments the crash tests kill a save at: ``start``, ``partial`` (some data
 written), ``before-commit``, ``after-commit`` (before the previous data is deleted), ``end``.
 """
@@ -23,7 +28,6 @@ from __future__ import annotations
 import errno
 import itertools
 import math
-import uuid
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,8 +48,13 @@ from lightning_zero.engine.checkpoint import (
 from lightning_zero.engine.checksums import PieceChecksum, join_checksums, write_checksums
 from lightning_zero.engine.files import (
     atomic_torch_save,
+    claimed,
     commit,
     crash_point,
+    file_identity,
+    hold,
+    new_token,
+    release,
     remove,
     remove_leftovers,
     temporary_path,
@@ -142,15 +151,17 @@ def needed_bytes(checkpoint: Any, path: Path) -> int:
 def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
     """Write ``checkpoint`` (with ``FlatPiece``s) as one ordinary file at ``path``, all ranks in parallel."""
     rank0 = strategy.is_global_zero
-    token, needed = strategy.broadcast((uuid.uuid4().hex, needed_bytes(checkpoint, path) if rank0 else 0))
+    token, needed = strategy.broadcast((new_token(), needed_bytes(checkpoint, path) if rank0 else 0))
     tmp = temporary_path(path, token)
     pieces = list(pieces_in(checkpoint))
     crash_point("start", path)
     skeleton: Skeleton | None = None
     error: BaseException | None = None
+    lock: int | None = None
     if rank0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            lock = hold(tmp)  # the others write into it only once they have the offsets
             skeleton = write_skeleton(checkpoint, tmp)
         except (Exception, CheckpointException) as err:
             error = err
@@ -181,6 +192,8 @@ def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) ->
         if rank0:
             remove(tmp)
         raise
+    finally:
+        release(lock)
     if rank0:
         _tidy(lambda: remove_leftovers(path))
     crash_point("end", path)
@@ -207,18 +220,24 @@ def save_sharded_directory(strategy: ZeROStrategy, checkpoint: dict[str, Any], p
     # Built on every rank (it is cheap), so that a problem raises everywhere instead of stranding the others.
     optimizers = strategy.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
     zero_meta = checkpoint_meta(strategy.sharded_model, optimizers)
-    token, in_place, needed = strategy.broadcast(
-        (uuid.uuid4().hex, _commits_in_place(path), needed_bytes(checkpoint, path)) if rank0 else None
-    )
-    root = path if in_place else temporary_path(path, token)
-    shards = root / f"{SHARDS_PREFIX}{token}"
+    lock: int | None = None
+    plan = None
+    if rank0:  # the directory the ranks write into exists, held, before they learn its name
+        token, in_place = new_token(), _commits_in_place(path)
+        root, shards = _directories(path, token, in_place)
+        lock, made = _hold_directory(shards if in_place else root, strategy.global_rank)
+        plan = (token, in_place, needed_bytes(checkpoint, path), made)
+    token, in_place, needed, made = strategy.broadcast(plan)
+    root, shards = _directories(path, token, in_place)
     crash_point("start", path)
     state: dict[str, Any] = dict(checkpoint["state_dict"])
     for optimizer_state in checkpoint.get("optimizer_states", []):
         state.update(optimizer_state)
     committed = False
+    ours: tuple[int, int] | None = None  # the meta.pt this save commits
     error: BaseException | None = None
     try:
+        _raise_if_failed(path, [made], needed)
         mine: dict[str, int] = {}
         try:
             mine = save_sharded(state, shards, token, strategy.global_rank)
@@ -232,10 +251,10 @@ def save_sharded_directory(strategy: ZeROStrategy, checkpoint: dict[str, Any], p
                 meta = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
                 meta["lightning_zero"] = {**zero_meta, "save_id": token, CHECKSUMS_KEY: checksums}
                 if not in_place:
-                    atomic_torch_save(meta, root / META_FILE)
+                    ours = atomic_torch_save(meta, root / META_FILE)
                 crash_point("before-commit", path)
                 if in_place:
-                    atomic_torch_save(meta, root / META_FILE)  # replacing meta.pt is the commit
+                    ours = atomic_torch_save(meta, root / META_FILE)  # replacing meta.pt is the commit
                 else:
                     commit(root, path)
                 committed = True
@@ -247,14 +266,38 @@ def save_sharded_directory(strategy: ZeROStrategy, checkpoint: dict[str, Any], p
         if rank0 and not committed:
             remove(shards if in_place else root)
         raise
+    finally:
+        release(lock)
     if rank0:
-        _tidy(lambda: _remove_replaced_shards(path, shards.name))
+        _tidy(lambda: _remove_replaced_shards(path, shards.name, ours))
     crash_point("end", path)
 
 
-def _remove_replaced_shards(path: Path, current: str) -> None:
-    for child in path.iterdir():
-        if child.name.startswith(SHARDS_PREFIX) and child.name != current:
-            remove(child)
+def _directories(path: Path, token: str, in_place: bool) -> tuple[Path, Path]:
+    """Where a sharded save with ``token`` writes: the directory that becomes ``path``, and the shards in it."""
+    root = path if in_place else temporary_path(path, token)
+    return root, root / f"{SHARDS_PREFIX}{token}"
+
+
+def _hold_directory(directory: Path, rank: int) -> tuple[int | None, Report]:
+    """Rank 0 creates and holds ``directory`` (``hold``): the lock, or what failed."""
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        return hold(directory, directory=True), {}
+    except OSError as err:
+        return None, _describe(err, rank)
+
+
+def _remove_replaced_shards(path: Path, current: str, ours: tuple[int, int] | None) -> None:
+    """Delete the shards this save's commit replaced and those of saves that are over, never a live save's; and
+    none once another run has committed over ``ours``, the ``meta.pt`` this save wrote: that run's clean-up
+    knows which shards its ``meta.pt`` names."""
+    with open(path / META_FILE, "rb"):  # while open, no newer meta.pt can be given its inode number
+        for child in path.iterdir():
+            if child.name.startswith(SHARDS_PREFIX) and child.name != current:
+                # Checked while holding the child: a live save releases its shards only after its commit.
+                with claimed(child) as over:
+                    if over and file_identity(path / META_FILE) == ours:
+                        remove(child)
     remove_leftovers(path / META_FILE)
     remove_leftovers(path)
