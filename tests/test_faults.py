@@ -173,3 +173,31 @@ def _uneven_then_log(rank: int, world_size: int) -> None:
 
 def test_a_synced_log_meeting_a_gather_fails_fast_naming_both() -> None:
     spawn(_uneven_then_log, world_size=2, timeout=60)
+
+
+def _spike_detection(rank: int, world_size: int) -> dict[str, Any]:
+    """Lightning's SpikeDetection sees the NaN loss of batch 2 under every stage as under DDP: after its warm-up it
+    raises its TrainingSpikeException at that batch; during its warm-up the run goes on."""
+    from lightning.fabric.utilities.spike import TrainingSpikeException
+    from lightning.pytorch.callbacks.spike import SpikeDetection
+
+    results: dict[str, Any] = {}
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        spike = SpikeDetection(warmup=1, exclude_batches_path=os.path.join(os.getcwd(), f".spikes-{name}.json"))
+        with pytest.raises(TrainingSpikeException, match="Training spike detected in batch 2"):
+            quiet_trainer(strategy=name, devices=world_size, max_steps=4, callbacks=[spike]).fit(
+                PoisonedOnRank1(optimizer="sgd")
+            )
+        warming = SpikeDetection(warmup=8, exclude_batches_path=os.path.join(os.getcwd(), f".spikes-{name}.json"))
+        trainer = quiet_trainer(strategy=name, devices=world_size, max_steps=4, callbacks=[warming])
+        trainer.fit(PoisonedOnRank1(optimizer="sgd"))
+        results[name] = (trainer.global_step, getattr(trainer.strategy, "skipped_steps", 0))
+    return results
+
+
+def test_spike_detection_sees_a_nonfinite_loss_as_under_ddp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (results, _) = spawn(_spike_detection, world_size=2, timeout=300)
+    assert results["ddp"][0] == 4  # DDP stepped the NaN gradients and went on
+    for name in ("zero1", "zero2", "zero3"):  # every stage went on too, without applying them
+        assert results[name] == (4, 1), (name, results[name])

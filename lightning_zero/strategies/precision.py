@@ -33,6 +33,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.utilities.spike import SpikeDetection
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -237,7 +238,7 @@ class ZeROPrecision(Precision):
             return
         step = model.trainer.global_step
         where = f"rank(s) {ranks}" + (f" (here: {', '.join(local[:5])})" if local else "")
-        if self.nonfinite_grads == "raise":
+        if self.nonfinite_grads == "raise" and not _has_spike_detection(model.trainer):
             raise NonFiniteGradientError(
                 f"non-finite gradients (inf or NaN) at step {step} on {where}; the step was not applied. "
                 "Lower the learning rate, clip gradients (gradient_clip_val), check the data, or pass "
@@ -245,7 +246,10 @@ class ZeROPrecision(Precision):
             )
         self._engine().drop_grads(optimizer)
         self.skipped_steps += 1
-        rank_zero_warn(f"skipped optimizer step {step}: non-finite gradients on {where} ({self.skipped_steps} so far)")
+        handed_on = " (the loss goes on to SpikeDetection)" if self.nonfinite_grads == "raise" else ""
+        rank_zero_warn(
+            f"skipped optimizer step {step}: non-finite gradients on {where} ({self.skipped_steps} so far){handed_on}"
+        )
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -255,3 +259,10 @@ class ZeROPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self.last_grad_norm = self._engine().clip_grad_norm_(optimizer, float(clip_val))
+
+
+def _has_spike_detection(trainer: pl.Trainer) -> bool:
+    """Whether Lightning's ``SpikeDetection`` callback watches the losses: then it decides what a non-finite loss
+    means (its exception after its warm-up, as under DDP), and the default policy skips the step instead of raising
+    first; the model is not stepped with the non-finite gradients meanwhile."""
+    return any(isinstance(callback, SpikeDetection) for callback in trainer.callbacks)
