@@ -47,6 +47,20 @@ def _alone(rank: int, world_size: int) -> dict[str, int]:
     calls["new key"] = step(3, "training (accumulating)")  # and the two collectives after the gather
     calls["known key"] = step(4, "training (accumulating)")  # its reference now exists
     comm.end_sequence()
+
+    # A deferred step (evaluation under stages 1 and 2): agreed at its first collective, if any.
+    def deferred(number: int, collectives: int) -> int:
+        before = comm.stats.calls("check")
+        comm.defer_sequence("evaluation", [number], lambda: f"evaluation step {number}")
+        for _ in range(collectives):
+            comm.all_reduce(total)
+        comm.end_sequence()
+        return comm.stats.calls("check") - before
+
+    calls["deferred, silent"] = deferred(1, 0)  # nothing
+    calls["deferred, first"] = deferred(2, 2)  # the step, and its two collectives (no reference yet)
+    calls["deferred, again"] = deferred(3, 2)  # the step only
+    calls["deferred, silent again"] = deferred(4, 0)
     return calls
 
 
@@ -61,4 +75,8 @@ def test_a_comm_of_one_rank_runs_its_collectives_when_asked() -> None:
         "same key": 1,
         "new key": 3,
         "known key": 1,
+        "deferred, silent": 0,
+        "deferred, first": 3,
+        "deferred, again": 1,
+        "deferred, silent again": 0,
     }

@@ -268,6 +268,11 @@ class Comm:
     control flow (stage-3 gathers, ``guard=True``) are agreed one by one, as before. So, on the
     step path: one agreement per step, no device synchronisation, nothing per unit.
 
+    A step that needs no collective may run a different number of times on each rank (evaluation
+    under stages 1 and 2 with uneven data, as DDP allows): ``defer_sequence`` opens it without an
+    agreement, and its first collective, if it issues one, agrees on the step first; one that
+    issues none costs nothing and needs nothing of the other ranks.
+
     ``checks="auto"`` is the above; ``"all"`` agrees every collective (a debugging mode); ``"off"``
     agrees nothing (the stall report still turns a deadlock into an error).
 
@@ -284,6 +289,7 @@ class Comm:
         checks: CollectiveChecks = "auto",
         control: ControlChannel | None = None,
         run_alone: bool = False,
+        stage: int | None = None,
     ) -> None:
         if checks not in ("auto", "all", "off"):
             raise ValueError(f"checks must be 'auto', 'all' or 'off', got {checks!r}")
@@ -297,6 +303,7 @@ class Comm:
         self.stats = CommStats()
         self.checks = checks
         self.control = control if not self._skip else None
+        self.stage = stage  # the ZeRO stage these collectives serve, if known: only the advice in errors depends on it
         self._codes: dict[str, int] = {}  # a unit's name -> its code in agreement rows (computed once)
         # See [Note: gloo rooted collectives].
         self.rooted = not self._skip and self.world_size > 1 and dist.get_backend(group) == "gloo"
@@ -313,6 +320,7 @@ class Comm:
         self._step_text = ""
         self._sequence: list[tuple[int, int, int]] = []
         self._on_track = False
+        self._deferred: tuple[str, list[int], Callable[[], str]] | None = None  # see ``defer_sequence``
         self._outstanding = 0
         self.broken = False  # a check failed while collectives were in flight: this group can no longer be used
         # The Comm whose sequence checks this one's collectives: itself, or the world's for a ``subgroup``.
@@ -330,7 +338,7 @@ class Comm:
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
             shard_comm = world_comm.subgroup(mesh.get_group("shard"))
         """
-        child = Comm(group, checks=self.checks, control=self.control)
+        child = Comm(group, checks=self.checks, control=self.control, stage=self.stage)
         child._checker = self
         return child
 
@@ -350,6 +358,18 @@ class Comm:
         self._step_text = describe()
         self._sequence = []
         self._on_track = self.checks == "auto" and key in self._references
+
+    def defer_sequence(self, key: str, row: list[int], describe: Callable[[], str]) -> None:
+        """A step that ranks may run different numbers of times, as long as it issues no collective (evaluation under
+        stages 1 and 2, whose forward needs none): nothing is agreed now, and the step's first collective, if it
+        issues one, first agrees on ``row`` and opens the sequence, as ``begin_sequence(key, row, describe)`` would
+        have (so a rank that has finished its batches, and is elsewhere, is named). Ends the current sequence;
+        ``end_sequence`` (call it when the step ends) drops a deferred step that issued nothing."""
+        self.end_sequence()
+        if self.control is None or self.checks == "off":
+            return
+        self._step_text = describe()
+        self._deferred = (key, row, describe)
 
     def continue_sequence(self, key: str, describe: Callable[[], str]) -> None:
         """Go on with the sequence opened by ``begin_sequence(..., None, ...)`` right after the step's agreement,
@@ -372,7 +392,7 @@ class Comm:
         when checks are off and nothing was exchanged."""
         self.end_sequence()
         if self.control is not None and self.checks != "off":
-            return self._agree([_STEP_ROW, *row], lambda: f"start {describe()}", _explain, shared)
+            return self._agree([_STEP_ROW, *row], lambda: f"start {describe()}", self._advice, shared)
         return None
 
     def end_sequence(self) -> None:
@@ -382,6 +402,7 @@ class Comm:
             self._references[self._key] = self._sequence
         self._key = None
         self._sequence = []
+        self._deferred = None
 
     def agree_event(
         self,
@@ -395,7 +416,7 @@ class Comm:
         Ends the current sequence."""
         self.end_sequence()
         if self.control is not None and self.checks != "off":
-            self._agree([_EVENT_ROW, code_of(name), *numbers], describe, explain or _explain)
+            self._agree([_EVENT_ROW, code_of(name), *numbers], describe, explain or self._advice)
 
     def _agree(
         self, row: list[int], describe: Callable[[], str], explain: Callable[[list[str]], str], shared: int = 0
@@ -406,12 +427,16 @@ class Comm:
         before = self.control.bytes_sent
         start = time.perf_counter()
         try:
-            return self.control.agree(row, describe, explain, shared)
+            return self.control.agree(row, describe, explain, shared, advice=self._advice)
         except (CollectiveMismatchError, PeerFailureError):
             self.broken = self.broken or self._outstanding > 0 or self.control.broken
             raise
         finally:
             self.stats.record("check", self.control.bytes_sent - before, time.perf_counter() - start)
+
+    def _advice(self, texts: list[str]) -> str:
+        """What to change, from what the ranks were doing (for this Comm's stage)."""
+        return _explain(texts, self.stage)
 
     def _describer(self, kind: str, name: str, numel: int, position: int | None) -> Callable[[], str]:
         """What this collective is, for a report; formatted only if a report is made (not on the step path)."""
@@ -419,6 +444,8 @@ class Comm:
 
         def describe() -> str:
             where = f"collective {position + 1} of {step}" if position is not None else "outside a step"
+            if position is None and step:
+                where += f", after {step}"
             return f"{kind} of {name!r} ({numel} elements, {where})"
 
         return describe
@@ -429,13 +456,16 @@ class Comm:
             raise CollectiveMismatchError(_BROKEN)
         if self.control is None or self.checks == "off":
             return self._describer(kind, name, numel, None)
+        if self._deferred is not None:  # the first collective of a deferred step: agree on the step first
+            key, row, describe_step = self._deferred
+            self.begin_sequence(key, row, describe_step)
         code = self._codes.get(name)
         if code is None:
             code = self._codes[name] = code_of(name)
         if self._key is None:
             describe = self._describer(kind, name, numel, None)
             if guard or self.checks == "all":
-                self._agree([_OP_ROW, _KINDS.index(kind), code, numel], describe, _explain)
+                self._agree([_OP_ROW, _KINDS.index(kind), code, numel], describe, self._advice)
             return describe
         entry = (_KINDS.index(kind), code, numel)
         position = len(self._sequence)
@@ -445,13 +475,13 @@ class Comm:
         if self._on_track and reference is not None and position < len(reference) and reference[position] == entry:
             return describe
         self._on_track = False
-        self._agree([_OP_ROW, *entry, position], describe, _explain)
+        self._agree([_OP_ROW, *entry, position], describe, self._advice)
         return describe
 
     def _wait(self, work: dist.Work, index: int, describe: Callable[[], str]) -> None:
         try:
             if self.control is not None and self._waits_block_host:
-                self.control.wait(work, "main", index, describe)
+                self.control.wait(work, "main", index, describe, self._advice)
             else:
                 work.wait()
         except (CollectiveMismatchError, PeerFailureError):
@@ -596,10 +626,18 @@ class Comm:
             return None
         return pending.then(add_up)
 
-    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, name: str = "") -> None:
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+        name: str = "",
+        guard: bool = False,
+    ) -> None:
+        """Reduce ``tensor`` over ranks, in place. ``guard``: agree on it first when it comes outside a step (see
+        [Note: collective checks]), as stage-3 gathers are."""
         if self._skip:
             return
-        describe = self._checker._before("all_reduce", name, tensor.numel(), guard=False)
+        describe = self._checker._before("all_reduce", name, tensor.numel(), guard=guard)
         self._timed(
             "all_reduce", 2 * self._ring_bytes(tensor), describe, dist.all_reduce, tensor, op=op, group=self.group
         )

@@ -143,11 +143,13 @@ class ControlChannel:
         describe: Callable[[], str],
         explain: Callable[[list[str]], str] | None = None,
         shared: int = 0,
+        advice: Callable[[list[str]], str] | None = None,
     ) -> list[int]:
         """Check that every rank passes the same ``row`` (at most eight integers); otherwise raise
         ``CollectiveMismatchError`` on every rank with each rank's ``describe()`` and ``explain``'s advice.
         ``shared`` travels along without being compared: every rank's value is returned (e.g. a flag that rank
-        0 announces to the others, so that it needs no exchange of its own)."""
+        0 announces to the others, so that it needs no exchange of its own). ``advice``: as for ``wait``, should
+        the ranks deadlock while this rank waits for the agreement."""
         if len(row) > ROW:
             raise ValueError(f"an agreement row holds at most {ROW} integers, got {len(row)}")
         # Built and compared as Python lists: a tensor operation costs microseconds of dispatch, and this runs once
@@ -161,7 +163,7 @@ class ControlChannel:
         self.issued["side"] += 1
         self.bytes_sent += everyone.numel() * 8 * (self.world_size - 1) // self.world_size
         work = _all_gather_single(everyone, mine, group=self.group, async_op=True)
-        self.wait(work, "side", index, lambda: f"waiting for the other ranks to agree on: {describe()}")
+        self.wait(work, "side", index, lambda: f"waiting for the other ranks to agree on: {describe()}", advice)
         self._everyone = everyone
         table = everyone.tolist()
         width = ROW + 1
@@ -179,14 +181,22 @@ class ControlChannel:
         )
 
     # ------------------------------------------------------------------ waits (see [Note: stall reports])
-    def wait(self, work: dist.Work, group: str, index: int, describe: Callable[[], str]) -> None:
+    def wait(
+        self,
+        work: dist.Work,
+        group: str,
+        index: int,
+        describe: Callable[[], str],
+        advice: Callable[[list[str]], str] | None = None,
+    ) -> None:
         """Wait for ``work`` (collective number ``index`` issued on ``group``, "main" or "side"); raise instead
-        of waiting forever when the ranks can no longer meet."""
+        of waiting forever when the ranks can no longer meet, with ``advice`` (default: ``explain_texts``) for
+        what every rank was waiting in."""
         if self.store is None:
             work.wait()
             return
         try:
-            self._wait_reporting(work, group, index, describe)
+            self._wait_reporting(work, group, index, describe, advice)
         except (CollectiveMismatchError, PeerFailureError):
             raise
         except RuntimeError as err:  # the backend's own error, e.g. a peer that found the deadlock first and left
@@ -203,7 +213,14 @@ class ControlChannel:
         except PeerFailureError:
             return None
 
-    def _wait_reporting(self, work: dist.Work, group: str, index: int, describe: Callable[[], str]) -> None:
+    def _wait_reporting(
+        self,
+        work: dist.Work,
+        group: str,
+        index: int,
+        describe: Callable[[], str],
+        advice: Callable[[list[str]], str] | None,
+    ) -> None:
         limit = timedelta(seconds=self.poll_seconds)
         if _wait_for(work, limit):
             return
@@ -213,7 +230,7 @@ class ControlChannel:
         try:
             while not _wait_for(work, limit):
                 states = self._read_all()
-                error = self._verdict(states, previous)
+                error = self._verdict(states, previous, advice)
                 if error is not None:
                     self.broken = True
                     raise error
@@ -302,7 +319,12 @@ class ControlChannel:
             ) from err
         return [_State(**json.loads(bytes(value).decode())) for value in raw]
 
-    def _verdict(self, states: list[_State], previous: list[_State] | None) -> BaseException | None:
+    def _verdict(
+        self,
+        states: list[_State],
+        previous: list[_State] | None,
+        advice: Callable[[list[str]], str] | None = None,
+    ) -> BaseException | None:
         for r, state in enumerate(states):
             if state.status == "mismatch" and r != self.rank:
                 return CollectiveMismatchError(state.what)  # found by rank r first: the same error everywhere
@@ -326,14 +348,14 @@ class ControlChannel:
             if state.group != "direct" and all((o.issued or {}).get(state.group, 0) > state.index for o in states):
                 return None  # every rank has issued this collective: it will complete
         lines = "\n  ".join(f"rank {r}: {s.what}" for r, s in enumerate(states))
-        advice = explain_texts([s.what for s in states]) or (
+        told = (advice or explain_texts)([s.what for s in states]) or (
             "Every rank must run the same collectives in the same order: the same number of steps and batches, the "
             "same submodules in the same order under stage 3, and checkpoint saves, barriers and synced logging on "
             "every rank."
         )
         return CollectiveMismatchError(
             f"the ranks are waiting for each other in different collectives and none can complete (a deadlock), "
-            f"found after {2 * self.poll_seconds:.0f} s of waiting:\n  {lines}\n{advice}\nSee docs/faults.md."
+            f"found after {2 * self.poll_seconds:.0f} s of waiting:\n  {lines}\n{told}\nSee docs/faults.md."
         )
 
 
@@ -408,15 +430,34 @@ def abort_if_broken(comm: Any) -> None:
 _COLLECTIVE_TEXT = re.compile(
     r"(waiting for the other ranks to agree on: )?(all_gather|reduce_scatter|all_reduce|broadcast) of"
 )
+# What a rank inside an evaluation loop says (see [Note: uneven evaluation] in strategies/agreement.py): about to
+# start one of its steps, or in a collective of one.
+_IN_EVALUATION = re.compile(r"(?:start |collective \d+ of )(validation|sanity check|test|predict) step (\d+)")
+SERVING = "serves the gathers of the ranks still running"  # what a stage-3 rank that has run out of batches says
+# Per evaluation phase: the prefix of its dataloader hook and limit_*_batches, and its step hook.
+_HOOKS = {
+    "validation": ("val", "validation_step"),
+    "sanity check": ("val", "validation_step"),
+    "test": ("test", "test_step"),
+    "predict": ("predict", "predict_step"),
+}
 
 
-def explain_texts(texts: list[str]) -> str:
-    """Advice for a failed agreement, from what the ranks said they were doing."""
+def explain_texts(texts: list[str], stage: int | None = None) -> str:
+    """Advice for a failed agreement, from what the ranks said they were doing; ``stage``: the ZeRO stage of the
+    run, when known (the advice differs: stages 1 and 2 have no collective in forward)."""
     advice = []
-    if any(
-        re.match(r"(waiting for the other ranks to agree on: )?(all_gather|reduce_scatter|all_reduce|broadcast) of", t)
-        for t in texts
-    ):
+    uneven = _uneven_evaluation(texts)
+    if uneven is not None:
+        advice.append(_uneven_advice(uneven, stage, any(SERVING in t for t in texts)))
+    elif any(_COLLECTIVE_TEXT.match(t) for t in texts) and stage in (1, 2):
+        advice.append(
+            "Every rank must issue the same collectives in the same order. Under stages 1 and 2 the forward issues "
+            "none: besides the gradient reduction and the parameter gathers of the optimizer step, these come from "
+            "code that runs on some ranks only, or a different number of times per rank (self.log(..., "
+            "sync_dist=True), self.all_gather, a callback or metric that communicates). Run it on every rank alike."
+        )
+    elif any(_COLLECTIVE_TEXT.match(t) for t in texts):
         advice.append(
             "Under stage 3 every rank must run the same submodules in the same order (a data-dependent branch, a "
             "mixture-of-experts layer, a forward under torch.no_grad() on some ranks only, or a generation loop "
@@ -428,7 +469,11 @@ def explain_texts(texts: list[str]) -> str:
             "trainer.save_checkpoint is a collective under lightning_zero (every rank writes its part): call it on "
             "every rank, not under `if trainer.is_global_zero` (ModelCheckpoint already does this right)."
         )
-    if any(t.startswith(("start ", "teardown")) for t in texts) and not any("save_checkpoint" in t for t in texts):
+    if (
+        uneven is None
+        and any(t.startswith(("start ", "teardown")) for t in texts)
+        and not any("save_checkpoint" in t for t in texts)
+    ):
         advice.append(
             "Every rank must run the same steps: the same number of batches per epoch (with "
             "use_distributed_sampler=False, your sampler must give every rank as many batches, e.g. "
@@ -438,3 +483,61 @@ def explain_texts(texts: list[str]) -> str:
     if any(t.startswith(("barrier", "broadcast")) for t in texts):
         advice.append("Barriers and broadcasts must be reached by every rank.")
     return "\n".join(advice)
+
+
+def _uneven_evaluation(texts: list[str]) -> str | None:
+    """The evaluation phase in which some ranks still run batches while others have finished theirs (they are
+    elsewhere, or serve the others' gathers), if that is what ``texts`` say; else ``None``."""
+    found = [m for t in texts if (m := _IN_EVALUATION.search(t)) is not None]
+    if not found:
+        return None
+    if len(found) == len(texts) and not any(SERVING in t for t in texts):
+        return None  # every rank is inside the loop: they run different code, not different numbers of batches
+    if all(m.group(2) == "1" for m in found) and any(t.startswith("start training step") for t in texts):
+        return None  # one rank starts evaluating while another trains on: different numbers of training batches
+    return found[0].group(1)
+
+
+def _uneven_advice(phase: str, stage: int | None, serving: bool) -> str:
+    loader, step = _HOOKS[phase]
+    said = (
+        f"The ranks have different numbers of {phase} batches: one has finished its {phase} loop while another is "
+        "still in it (each rank's line above says where it is)."
+    )
+    per_batch = (
+        "self.log(..., sync_dist=True) with on_step=True, self.all_gather, a callback or metric that communicates on "
+        "every batch"
+    )
+    logging = (
+        "Log per-batch values without sync_dist (with on_step=False a synced value is reduced once, after the last "
+        "batch, when every rank has finished)"
+    )
+    fix = (
+        f"give every rank as many {phase} batches: keep Lightning's sampler for validation and test (a "
+        "DistributedSampler, which pads every rank to the same count), or with use_distributed_sampler=False use "
+        f"DistributedSampler(dataset) in {loader}_dataloader(), or set limit_{loader}_batches to the smallest rank's "
+        "count."
+    )
+    if serving:
+        return (
+            f"{said} Under stage 3 a rank that has finished keeps serving the parameter gathers of the ranks still "
+            f"running (one forward's gathers for each batch they run), but no other collective: here a batch also "
+            f"issued one ({per_batch}). {logging}, or {fix}"
+        )
+    if stage == 3:
+        return (
+            f"{said} Under stage 3 a rank that has finished keeps serving the parameter gathers of the ranks still "
+            f"running, from the end of its last batch, but a rank with no {phase} batch at all, or whose {step} takes "
+            f"dataloader_iter (its last batch is not known in advance), cannot. Give every rank at least one batch "
+            f"(and a {step} without dataloader_iter), or {fix}"
+        )
+    if stage in (1, 2):
+        return (
+            f"{said} Stages 1 and 2 run that as DDP does, as long as no batch issues a collective (the ranks that "
+            f"have finished never join it): here one did ({per_batch}; or the buffer broadcast of the first batch "
+            f"after training, with a rank that has no {phase} batch at all). {logging}, or {fix}"
+        )
+    return (
+        f"{said} Stages 1 and 2 run that as DDP does as long as no batch issues a collective ({per_batch}), and "
+        f"under stage 3 a rank that has finished serves the parameter gathers of the others. {logging}, or {fix}"
+    )

@@ -254,6 +254,15 @@ class ShardedModel:
             self.root_unit.unshard(async_op=True)
         self.stage3.prefetch_first()
 
+    def replay_eval_forward(self) -> None:
+        """Stage 3: the all-gathers of one evaluation forward, in the recorded order, computing nothing (what a rank
+        that has run out of evaluation batches issues for each batch the others still run; see [Note: uneven
+        evaluation] in ``strategies/agreement.py``). Call between ``begin_step(training=False)`` and ``end_step()``.
+        Stages 1 and 2: nothing (their forward gathers nothing)."""
+        if self.stage3 is not None:
+            with torch.no_grad():
+                self.stage3.replay_eval_forward()
+
     def free_unused_units(self) -> None:
         """Free units gathered but not used by a step (see [Note: gathers at the start of a batch])."""
         if self.stage3 is not None:  # (held units and units backward still needs are kept)

@@ -180,14 +180,27 @@ class Stage3Hooks:
 
     def _pre_forward(self, unit: ShardedUnit):
         def hook(_module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            order = self._pass_order
-            if order is not None and torch.is_grad_enabled() == self._training and unit not in self.held:
-                self._prefetch(order.reached(unit))
-            unit.unshard()
-            if torch.is_grad_enabled() and not all(p.requires_grad for p in unit.params):
-                self._watch_inputs(unit, (args, kwargs))
+            self._unit_starts(unit, (args, kwargs))
 
         return hook
+
+    def _unit_starts(self, unit: ShardedUnit, inputs: Any) -> None:
+        order = self._pass_order
+        if order is not None and torch.is_grad_enabled() == self._training and unit not in self.held:
+            self._prefetch(order.reached(unit))
+        unit.unshard()
+        if torch.is_grad_enabled() and not all(p.requires_grad for p in unit.params):
+            self._watch_inputs(unit, inputs)
+
+    def replay_eval_forward(self) -> None:
+        """Gather and release every unit of one evaluation forward, in the order the first evaluation step
+        recorded, with the same prefetches, without running any module: the collectives that a rank which has run
+        out of evaluation batches issues for each batch the other ranks still run (see [Note: uneven evaluation]
+        in ``strategies/agreement.py``). Call under ``torch.no_grad()``, between ``begin_forward(False)`` and
+        ``end_step()``, as for the step it stands for."""
+        for unit in self.eval_order.recorded or []:
+            self._unit_starts(unit, None)
+            self._unit_ends(unit, None)
 
     def _watch_inputs(self, unit: ShardedUnit, inputs: Any) -> None:
         """See [Note: frozen units]."""
@@ -205,17 +218,20 @@ class Stage3Hooks:
 
     def _post_forward(self, unit: ShardedUnit):
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-            training = tensors and torch.is_grad_enabled()
-            if training:
-                register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
-            # Kept gathered: every unit without reshard_after_forward; the unit that ends the recorded forward
-            # in any case, since backward starts with it.
-            keep = training and (not self.reshard_after_forward or self.forward_order.at_end(unit))
-            if unit not in self.in_backward and unit not in self.held and not keep:
-                unit.reshard()
+            self._unit_ends(unit, output)
 
         return hook
+
+    def _unit_ends(self, unit: ShardedUnit, output: Any) -> None:
+        tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        training = tensors and torch.is_grad_enabled()
+        if training:
+            register_multi_grad_hook(tensors, self._pre_backward(unit), mode="any")
+        # Kept gathered: every unit without reshard_after_forward; the unit that ends the recorded forward
+        # in any case, since backward starts with it.
+        keep = training and (not self.reshard_after_forward or self.forward_order.at_end(unit))
+        if unit not in self.in_backward and unit not in self.held and not keep:
+            unit.reshard()
 
     def _pre_backward(self, unit: ShardedUnit):
         def hook(_grad: torch.Tensor) -> None:

@@ -244,7 +244,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         param_dtype = check_precision(self.precision, self.param_dtype)
         trace = self._meta_init if has_meta_tensors(module) else None
         policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
-        comm = Comm(checks=self.collective_checks, control=self._control)
+        comm = Comm(checks=self.collective_checks, control=self._control, stage=self.stage)
         agreement.agree_on_trainable_set(comm, module)
         self._sharded = ShardedModel(
             module,

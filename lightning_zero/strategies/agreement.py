@@ -3,7 +3,8 @@
 - at setup: the trainable set (as ``DDPStrategy`` checks that every rank has the same parameters);
 - at the start of every step: which step it is (phase, epoch, step counter, trainable set, whether
   gradients are being accumulated), so that a rank that ran out of data, went on to validation or
-  froze a layer alone is named at once instead of pairing its collectives with another step's;
+  froze a layer alone is named at once instead of pairing its collectives with another step's
+  (evaluation steps, which ranks may run different numbers of: see [Note: uneven evaluation]);
 - before a checkpoint save or load, a barrier, a broadcast, a teardown.
 """
 
@@ -13,6 +14,7 @@ import logging
 import signal
 import zlib
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.engine import Comm
-from lightning_zero.engine.control import ControlChannel
+from lightning_zero.engine.control import SERVING, ControlChannel
 
 log = logging.getLogger(__name__)
 
@@ -192,13 +194,72 @@ def wrap_batch_start(trainer: Any, agree: Callable[[bool], bool | None]) -> Call
     return remove
 
 
-def begin_eval_step(comm: Comm, phase: str, step: int, after: str) -> None:
-    """Agree on the evaluation step every rank starts (``phase``: validation, sanity check, test, predict)."""
+def begin_eval_step(comm: Comm, phase: str, step: int, describe: Callable[[], str], joined: bool) -> None:
+    """Start evaluation step ``step`` (counted from 1 in each evaluation loop; ``phase``: validation, sanity check,
+    test, predict). See [Note: uneven evaluation]: ``joined`` (stage 3) agrees on it now, announcing that this rank
+    runs a batch; otherwise (stages 1 and 2) it is agreed only if it issues a collective.
 
-    def describe() -> str:
-        return f"{phase} step {step} ({after})"
+    [Note: uneven evaluation]
+    Lightning gives each rank its own part of the evaluation data, and the parts need not have as many
+    batches: ``trainer.predict`` uses ``UnrepeatedDistributedSamplerWrapper``, which does not pad (9 samples
+    on 2 ranks in batches of 2: 3 batches and 2), and a sampler of the user's (``use_distributed_sampler=
+    False``) or an iterable dataset may give any counts. DDP runs that, since its evaluation forward has no
+    collective; so do these strategies.
 
-    comm.begin_sequence("evaluation", [_PHASES.index(phase), step], describe)
+    Stages 1 and 2 hold the full parameters: an evaluation step issues no collective of its own, so it is
+    opened with ``Comm.defer_sequence``. Its agreement is made at its first collective, if it issues one
+    (the buffer broadcast of the first batch after training steps, as DDP's; ``self.log(...,
+    sync_dist=True)`` with ``on_step=True``), and dropped at the end of a step that issued none. Ranks with
+    different numbers of batches then never meet per batch; a step that does communicate still finds a rank
+    that has left the loop (at the teardown, the next training step, or the loop's synced logging, which is
+    Lightning's reduce agreed outside a step) and names it, instead of pairing with it.
+
+    Stage 3 gathers every unit in each forward, so a rank that has run out of batches must take part in the
+    gathers of the ranks still running, for as long as they run (a *join*, as DDP's ``join()`` for
+    training). Each step is agreed, as before, and carries a flag: this rank runs a batch. At the end of its
+    last batch (Lightning's ``batch_progress.is_last_batch``, known in advance because the loop's fetcher
+    reads one batch ahead), a rank *serves* (``serve_eval_steps``): it agrees on the next step with its flag
+    down; if another rank's flag is up, it replays one evaluation forward's gathers, unit by unit in the
+    recorded order and with the same prefetches (``Stage3Hooks.replay_eval_forward``), which pair with that
+    rank's forward, and goes on to the next step; once no flag is up every rank has finished, and all leave
+    the loop together, to what follows it (the loop's synced logging, the teardown) in step again. So one
+    agreement per batch, as before, and one more per loop. A served step is a step of the "evaluation"
+    sequence like any other (see [Note: collective checks] in ``engine/comm.py``): a batch that issues
+    another collective than the forward's gathers (a per-batch synced log, a callback that communicates) is
+    found, at once or by the stall report, with the serving rank's line saying that it serves. Not joined: a
+    rank with no batch at all (Lightning skips its loop), and a step that takes ``dataloader_iter`` (its last
+    batch is not known in advance); both are refused, naming where each rank is. With
+    ``collective_checks="off"`` nothing is agreed, so nothing is joined either.
+    """
+    row = [_PHASES.index(phase), step]
+    if not joined:
+        comm.defer_sequence("evaluation", row, describe)
+        return
+    comm.agree_step(row, describe, shared=1)
+    comm.begin_sequence("evaluation", None, describe)
+
+
+def serve_eval_steps(
+    comm: Comm, phase: str, last: int, describe: Callable[[int], str], replay: Callable[[], None]
+) -> int:
+    """After this rank's last evaluation batch, step ``last``: serve the gathers of the ranks that still run
+    batches, one step at a time, until none does (see [Note: uneven evaluation]). ``describe(step)`` says what this
+    rank does at ``step`` (it should contain ``SERVING``); ``replay()`` issues one step's gathers. Returns how many
+    steps were served."""
+    step = last
+    while True:
+        step += 1
+        says = partial(describe, step)
+        running = comm.agree_step([_PHASES.index(phase), step], says, shared=0)
+        if running is None or not any(running):
+            return step - last - 1
+        comm.begin_sequence("evaluation", None, says)
+        replay()
+
+
+def describe_serving(phase: str, batches: int, after: str, step: int) -> str:
+    """What a rank that serves (``serve_eval_steps``) is doing at ``step``."""
+    return f"{phase} step {step} ({after}; this rank's {batches} {phase} batches are done: it {SERVING})"
 
 
 def begin_plain_step(comm: Comm, key: str, step: int, describe: Callable[[], str]) -> None:
@@ -206,9 +267,10 @@ def begin_plain_step(comm: Comm, key: str, step: int, describe: Callable[[], str
     comm.begin_sequence(key, [_PHASES.index("step"), zlib.crc32(key.encode()), step], describe)
 
 
-def reduce_like_lightning(comm: Comm, tensor: Tensor, reduce_op: object, name: str) -> Tensor:
+def reduce_like_lightning(comm: Comm, tensor: Tensor, reduce_op: object, name: str, guard: bool = False) -> Tensor:
     """``lightning.fabric.utilities.distributed._sync_ddp`` through ``comm`` (counted and checked like the
-    engine's own collectives): ``"mean"``/``"avg"`` sums, then divides by the world size."""
+    engine's own collectives): ``"mean"``/``"avg"`` sums, then divides by the world size. ``guard``: agreed even
+    outside a step (see ``Comm.all_reduce``)."""
     divide = False
     if isinstance(reduce_op, str):
         lowered = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
@@ -218,7 +280,7 @@ def reduce_like_lightning(comm: Comm, tensor: Tensor, reduce_op: object, name: s
             op = getattr(dist.ReduceOp, lowered.upper())
     else:
         op = dist.ReduceOp.SUM if reduce_op is None else reduce_op
-    comm.all_reduce(tensor, op=op, name=name)
+    comm.all_reduce(tensor, op=op, name=name, guard=guard)
     if not divide:
         return tensor
     if not torch.is_floating_point(tensor):

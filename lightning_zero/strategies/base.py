@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -238,6 +239,9 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         self._failed = False
         self._control: ControlChannel | None = None
         self._steps: dict[str, int] = {}
+        # The evaluation loop under way or last run since the last training step: its phase, and this rank's batches
+        # in it so far (see [Note: uneven evaluation] in strategies/agreement.py).
+        self._evaluation: tuple[str, int] | None = None
         self._agreed_step: tuple[int, Callable[[], str]] | None = None  # the step agreed at its batch's start
         self._unwrap_batch_start: Callable[[], None] | None = None
         self._stats_logged_until: dict[str, CommStats] | None = None
@@ -334,9 +338,10 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             self.model = precision.convert_module(self.model)  # a cast of meta layers is replayed too
         self.model_to_device()
         policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
-        comm = Comm(checks=self.collective_checks, control=self._control)
+        comm = Comm(checks=self.collective_checks, control=self._control, stage=self.stage)
         agreement.agree_on_trainable_set(comm, self.model)
         self._steps = {}
+        self._evaluation = None
         self._sharded = ShardedModel(
             self.model,
             stage=self.stage,
@@ -418,6 +423,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             if not self._failed:
                 fn = self.lightning_module.trainer.state.fn if self._lightning_module is not None else None
                 what = f"trainer.{fn.value}()" if fn is not None else "the run"
+                if self._evaluation is not None:  # see [Note: uneven evaluation] in strategies/agreement.py
+                    what += f", after this rank's {self._evaluation[1]} {self._evaluation[0]} batches"
                 self._sharded.comm.agree_event("teardown", lambda: f"teardown at the end of {what}")
             self._sharded.release(gather=not self._failed)
             self._sharded = None
@@ -446,6 +453,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         step = self._count_step("training")
+        self._evaluation = None
         accumulating = self.sharded_model.reducer.no_sync_requested
         agreed = self._agreed_step[1] if self._agreed_step is not None and self._agreed_step[0] == step else None
         self._agreed_step = None
@@ -474,24 +482,62 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         with self._eval_step():
             return super().predict_step(*args, **kwargs)
 
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._start_evaluation()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._start_evaluation()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._start_evaluation()
+
+    def _start_evaluation(self) -> None:
+        """An evaluation loop starts: its steps count from 1 (see [Note: uneven evaluation])."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        self._evaluation = (_eval_phase(trainer), 0)
+
     @contextmanager
     def _eval_step(self) -> Generator[None, None, None]:
-        root = self.sharded_model.root_unit
-        held_already = (
-            root is not None and self.sharded_model.stage3 is not None and root in self.sharded_model.stage3.held
-        )
+        """Around ``validation_step``, ``test_step``, ``predict_step``: see [Note: uneven evaluation] in
+        ``strategies/agreement.py``."""
+        sharded = self.sharded_model
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         phase = _eval_phase(trainer)
-        step = self._count_step(phase)
+        step = (self._evaluation[1] if self._evaluation is not None else 0) + 1
+        self._evaluation = (phase, step)
         trained = self._steps.get("training", 0)
         after = f"after {trained} training steps" if trained else "no training steps yet"
-        agreement.begin_eval_step(self.sharded_model.comm, phase, step, after)
-        self.sharded_model.begin_step(training=False)
+        joined = sharded.stage3 is not None  # only stage 3 gathers in forward
+        agreement.begin_eval_step(sharded.comm, phase, step, lambda: f"{phase} step {step} ({after})", joined)
+        with self._evaluation_forward():
+            yield
+        if not joined:
+            sharded.comm.end_sequence()  # the next step may run on some ranks only
+        elif _is_last_eval_batch(trainer):
+            describe = partial(agreement.describe_serving, phase, step, after)
+            served = agreement.serve_eval_steps(sharded.comm, phase, step, describe, self._replay_eval_forward)
+            self._steps[f"{phase} served"] = self._steps.get(f"{phase} served", 0) + served  # since setup
+
+    @contextmanager
+    def _evaluation_forward(self) -> Generator[None, None, None]:
+        sharded = self.sharded_model
+        held_already = sharded.root_held  # validation in the middle of gradient accumulation keeps the hold
+        sharded.begin_step(training=False)
         try:
             yield
         finally:
-            if not held_already:  # validation in the middle of gradient accumulation keeps the hold
-                self.sharded_model.end_step()
+            if not held_already:
+                sharded.end_step()
+
+    def _replay_eval_forward(self) -> None:
+        with self._evaluation_forward():
+            self.sharded_model.replay_eval_forward()
 
     def _agree_on_next_batch(self, sigterm: bool) -> bool | None:
         """See [Note: the start of a training batch] in ``strategies/agreement.py``: returns whether any rank
@@ -700,10 +746,31 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
             if self._sharded is not None and group is None:
-                # Logging with sync_dist=True, reduce_boolean_decision: counted and checked as the engine's own.
-                return agreement.reduce_like_lightning(self._sharded.comm, tensor, reduce_op, LIGHTNING_REDUCE)
+                # Logging with sync_dist=True, reduce_boolean_decision: counted and checked as the engine's own, and
+                # agreed where it comes outside a step (after an evaluation loop: see [Note: uneven evaluation]).
+                return agreement.reduce_like_lightning(
+                    self._sharded.comm, tensor, reduce_op, LIGHTNING_REDUCE, guard=True
+                )
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+_EVALUATION_LOOPS = {
+    TrainerFn.VALIDATING: "validate_loop",
+    TrainerFn.TESTING: "test_loop",
+    TrainerFn.PREDICTING: "predict_loop",
+}
+
+
+def _is_last_eval_batch(trainer: Any) -> bool:
+    """Whether the batch of the evaluation step under way is this rank's last of the loop (``False`` if unknown:
+    a step that takes ``dataloader_iter``)."""
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    if fn == TrainerFn.FITTING:
+        loop = trainer.fit_loop.epoch_loop.val_loop  # validation and the sanity check
+    else:
+        loop = getattr(trainer, _EVALUATION_LOOPS.get(fn, ""), None)
+    return bool(getattr(getattr(loop, "batch_progress", None), "is_last_batch", False))
 
 
 def _eval_phase(trainer: Any) -> str:
