@@ -50,6 +50,7 @@ def _worker(
     kwargs: dict,
     results: Any,
     environ: dict[str, str],
+    rendezvous: str = "file",
 ) -> None:
     if os.environ != environ:  # a forkserver's child starts with the server's environment, not the caller's
         os.environ.clear()
@@ -67,7 +68,8 @@ def _worker(
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        init = f"file://{init_file}" if rendezvous == "file" else f"tcp://127.0.0.1:{port}"
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
         value = fn(rank, world_size, **kwargs)
         if isinstance(value, LeaveBroken):
             results.put((rank, "ok", pickle.dumps(value.value)))
@@ -91,6 +93,7 @@ def run_on_cpu_ranks(
     timeout: float = 300.0,
     name: str | None = None,
     start_method: str = "spawn",
+    rendezvous: str = "file",
     **kwargs: Any,
 ) -> list[Any]:
     """``fn(rank, world_size, **kwargs)`` on ``world_size`` CPU processes; every rank's value, by rank.
@@ -98,7 +101,9 @@ def run_on_cpu_ranks(
     ``fn`` and ``kwargs`` must be picklable (a module-level function). ``start_method`` is a
     ``multiprocessing`` start method: ``"spawn"`` (fresh interpreters) or ``"forkserver"`` (forks
     of a server that can import the heavy modules once, see ``set_forkserver_preload``); every rank
-    gets the caller's environment variables of the moment either way. Example::
+    gets the caller's environment variables of the moment either way. ``rendezvous``: ``"file"`` (a ``file://``
+    rendezvous in a temporary directory, no port races) or ``"tcp"`` (a ``TCPStore`` hosted by rank 0, as torchrun
+    and Lightning's launchers set up: it ends with rank 0's process). Example::
 
         def world(rank: int, world_size: int) -> int:
             return torch.distributed.get_world_size()
@@ -114,7 +119,10 @@ def run_on_cpu_ranks(
         port = free_port()
         # Not daemonic: a DataLoader in fn may start worker processes of its own.
         procs = [
-            ctx.Process(target=_worker, args=(r, world_size, init_file, port, fn, kwargs, results, dict(os.environ)))
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, init_file, port, fn, kwargs, results, dict(os.environ), rendezvous),
+            )
             for r in range(world_size)
         ]
         try:

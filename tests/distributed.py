@@ -35,6 +35,8 @@ _PRELOAD = ["torch", "torch.distributed", "torchmetrics", "lightning.pytorch", "
 mp.set_forkserver_preload([*_PRELOAD, "tests.models"])
 
 
-def spawn(fn: Callable[..., Any], world_size: int = 2, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any], world_size: int = 2, timeout: float = 300.0, rendezvous: str = "file", **kwargs: Any
+) -> list[Any]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` processes; return the values by rank."""
-    return run_on_cpu_ranks(fn, world_size, timeout=timeout, start_method="forkserver", **kwargs)
+    return run_on_cpu_ranks(fn, world_size, timeout=timeout, start_method="forkserver", rendezvous=rendezvous, **kwargs)

@@ -358,3 +358,29 @@ def _resume_with_a_dataclass(rank: int, world_size: int, root: str) -> None:
 
 def test_a_dataclass_in_the_hyper_parameters_gets_advice_that_works(tmp_path: Path) -> None:
     spawn(_resume_with_a_dataclass, world_size=2, root=str(tmp_path))
+
+
+def _sharded_after_fit(rank: int, world_size: int, root: str) -> None:
+    for name, cls in (("zero1", ZeRO1Strategy), ("zero3", ZeRO3Strategy)):
+        torch.manual_seed(0)
+        model = ParityNet(optimizer="adamw")
+        trainer = quiet_trainer(strategy=cls(checkpoint_format="sharded"), devices=world_size, max_steps=3)
+        trainer.fit(model)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        optimizer = trainer.optimizers[0].state_dict()
+        path = Path(trainer.strategy.broadcast(f"{root}/{name}-after-fit.ckpt"))
+        trainer.save_checkpoint(path)  # the module is whole again: the sharded format all the same
+        assert path.is_dir() and (path / "meta.pt").is_file(), name
+        full = consolidate_checkpoint(path)
+        assert all(torch.equal(full["state_dict"][k], v) for k, v in expected.items()), name
+        for index, entry in optimizer["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(full["optimizer_states"][0]["state"][index][key], value), (name, index, key)
+        assert full["optimizer_states"][0]["param_groups"] == optimizer["param_groups"], name
+        resumed = quiet_trainer(strategy=cls(checkpoint_format="sharded"), devices=world_size, max_steps=4)
+        resumed.fit(ParityNet(optimizer="adamw"), ckpt_path=path)
+        assert resumed.global_step == 4, name
+
+
+def test_a_sharded_save_after_fit_writes_the_sharded_format(tmp_path: Path) -> None:
+    spawn(_sharded_after_fit, world_size=2, root=str(tmp_path))

@@ -124,6 +124,14 @@ class DirectReduceOnRank0(L.Callback):
             torch.distributed.all_reduce(torch.ones(3))
 
 
+class DirectReduceOnRank1(L.Callback):
+    """The same on rank 1, while rank 0, which hosts the rendezvous store, waits in the next step's agreement."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 2:
+            torch.distributed.all_reduce(torch.ones(3))
+
+
 class SigtermOnRank1(L.Callback):
     """Rank 1 receives a real SIGTERM (handled by the handlers Lightning registered) after step 2."""
 
@@ -208,7 +216,7 @@ def _one_case(rank: int, world_size: int, case: str, stage: str) -> LeaveBroken:
         model = FailsOnRank1(optimizer="sgd")
     else:
         model = ParityNet(optimizer="sgd")
-    callbacks = [DirectReduceOnRank0()] if case == "direct" else []
+    callbacks = {"direct": [DirectReduceOnRank0()], "direct on rank 1": [DirectReduceOnRank1()]}.get(case, [])
     trainer = quiet_trainer(strategy=_strategy(stage), devices=world_size, max_steps=6, callbacks=callbacks)
     return LeaveBroken(_outcome(trainer, model))
 
@@ -222,10 +230,12 @@ def _one_case(rank: int, world_size: int, case: str, stage: str) -> LeaveBroken:
         ("fails", "zero2"),
         ("fails", "zero3"),
         ("direct", "zero2"),
+        ("direct on rank 1", "zero1"),
     ],
 )
 def test_ranks_that_part_ways_inside_a_step_fail_fast_naming_them(case: str, stage: str) -> None:
-    outcomes = spawn(_one_case, world_size=2, timeout=120, case=case, stage=stage)
+    # A TCPStore hosted by rank 0, as under torchrun and Lightning's launchers: it ends with rank 0's process.
+    outcomes = spawn(_one_case, world_size=2, timeout=120, rendezvous="tcp", case=case, stage=stage)
     for rank, outcome in enumerate(outcomes):
         assert outcome["seconds"] < LIMIT, (rank, outcome)
     if case == "fails":
@@ -234,6 +244,14 @@ def test_ranks_that_part_ways_inside_a_step_fail_fast_naming_them(case: str, sta
         # connection close first; either way its error says what happened on rank 1.
         assert outcomes[0]["type"] in (PeerFailureError.__name__, "RuntimeError"), outcomes
         assert "rank 1 failed with ZeroDivisionError" in outcomes[0]["message"], outcomes
+        return
+    if case == "direct on rank 1":
+        # Rank 0 finds the deadlock and hosts the store: it stays until rank 1's monitor has read the verdict, so
+        # rank 1, the rank at fault, is told why its call failed (it used to get a bare "Connection closed").
+        assert outcomes[0]["type"] == CollectiveMismatchError.__name__, outcomes
+        for outcome in outcomes:
+            assert "rank 1: torch.distributed.all_reduce, called from" in outcome["message"], outcomes
+            assert "rank 0: waiting for the other ranks to agree on: start training step 3" in outcome["message"]
         return
     if case == "direct":
         # Rank 1 waits in the next step's agreement and names rank 0, blocked in a collective this library does

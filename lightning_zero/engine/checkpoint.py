@@ -182,31 +182,72 @@ def _piece_numel(model: ShardedModel) -> Callable[[int], int]:
 def checkpoint_meta(model: ShardedModel, optimizers: list[Optimizer]) -> dict[str, Any]:
     """What a sharded checkpoint needs besides tensors: shapes, tied aliases, optimizer structure."""
     names = param_names(model)
-    full_keys = list(model.module.state_dict(keep_vars=True))
-    aliases = {}
-    state = model.module.state_dict(keep_vars=True)
+    return _meta(model.module, names, optimizers, lambda held: model._param_of[held][0])
+
+
+def _meta(
+    module: nn.Module,
+    names: dict[nn.Parameter, str],
+    optimizers: list[Optimizer],
+    param_of: Callable[[nn.Parameter], nn.Parameter],
+) -> dict[str, Any]:
+    """``checkpoint_meta`` of ``module`` whose parameters are saved under ``names``; ``param_of``: the parameter an
+    optimizer's entry stands for."""
+    state = module.state_dict(keep_vars=True)
     by_id = {id(p): n for p, n in names.items()}
-    for key in full_keys:
-        value = state[key]
-        if isinstance(value, nn.Parameter) and by_id.get(id(value), key) != key:
-            aliases[key] = by_id[id(value)]
+    aliases = {
+        key: by_id[id(value)]
+        for key, value in state.items()
+        if isinstance(value, nn.Parameter) and by_id.get(id(value), key) != key
+    }
     extra = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
     optim_meta = []
     for optimizer in optimizers:
         groups = []
         for group in optimizer.param_groups:
             entry = {k: v for k, v in group.items() if k != "params"}
-            entry["params"] = [names[model._param_of[p][0]] for p in group["params"]]
+            entry["params"] = [names[param_of(p)] for p in group["params"]]
             groups.append(entry)
         optim_meta.append({"param_groups": groups})
     return {
         "format_version": FORMAT_VERSION,
         "params": {name: list(param.shape) for param, name in names.items()},
         "aliases": aliases,
-        "state_dict_keys": full_keys,
+        "state_dict_keys": list(state),
         "extra_state": extra,
         "optimizers": optim_meta,
     }
+
+
+def plain_module_checkpoint(
+    module: nn.Module, optimizers: list[Optimizer], checkpoint: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A sharded checkpoint's tensors and meta for a module that is whole again (after ``fit``): each parameter,
+    flattened, under its first name, each per-element optimizer state the same way, as the layout of [Note:
+    checkpoint layout] stores them. Every rank holds the same values, and DCP writes each once. ``checkpoint`` is
+    Lightning's dict; the result replaces its ``state_dict`` and ``optimizer_states``."""
+    names: dict[nn.Parameter, str] = {}
+    for name, param in module.named_parameters():
+        names.setdefault(param, name)
+    model_state: dict[str, Any] = {MODEL_PREFIX + n: p.detach().reshape(-1) for p, n in names.items()}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            model_state[MODEL_PREFIX + key] = value.detach()
+    optimizer_states = []
+    for index, optimizer in enumerate(optimizers):
+        entries: dict[str, Any] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                for key, value in optimizer.state.get(param, {}).items():
+                    if is_param_shaped(key, value, param):
+                        entries[_optim_key(index, names[param], key)] = value.detach().reshape(-1)
+                    elif isinstance(value, torch.Tensor):
+                        entries[_optim_key(index, names[param], key)] = value
+        optimizer_states.append(entries)
+    converted = {**checkpoint, "state_dict": model_state}
+    if "optimizer_states" in checkpoint:
+        converted["optimizer_states"] = optimizer_states
+    return converted, _meta(module, names, optimizers, lambda held: held)
 
 
 def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int) -> dict[str, int]:

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 ROW = 8  # integers per agreement row
+LINGER_POLLS = 4  # how long rank 0 waits for the others to read a verdict, in polls (see [Note: every rank is told])
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -89,7 +90,7 @@ class ControlChannel:
     def __init__(
         self, group: dist.ProcessGroup, store: dist.Store | None, rank: int, world_size: int, poll_seconds: float
     ) -> None:
-        self.group = group
+        self.group: dist.ProcessGroup | None = group
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -104,6 +105,9 @@ class ControlChannel:
         self.verdict: str | None = None  # a deadlock or failure the monitor found while the main thread was blocked
         self._lock = threading.Lock()  # the store client is shared with the monitor thread
         self._in_wait = False
+        self.closed = False  # see ``close``
+        self._stop = threading.Event()  # set by ``close``: the monitor ends
+        self._monitor: threading.Thread | None = None
         if store is not None:
             self._publish(_State("running", 0))
             self._monitor = threading.Thread(
@@ -123,7 +127,7 @@ class ControlChannel:
         if not (dist.is_available() and dist.is_initialized()) or (dist.get_world_size() == 1 and not run_alone):
             return None
         world = dist.group.WORLD
-        if _current is not None and _current[0] is world and not _current[1].broken:
+        if _current is not None and _current[0] is world and not (_current[1].broken or _current[1].closed):
             return _current[1]
         number = _current[2] + 1 if _current is not None else 0
         group = dist.new_group(backend="gloo")
@@ -200,10 +204,15 @@ class ControlChannel:
         except (CollectiveMismatchError, PeerFailureError):
             raise
         except RuntimeError as err:  # the backend's own error, e.g. a peer that found the deadlock first and left
-            found = self._published_verdict()
+            try:
+                found = self._verdict(self._read_all(), None)
+            except PeerFailureError as gone:  # no verdict to read: the store went with rank 0
+                self.broken = True
+                raise PeerFailureError(f"{gone} This rank was waiting in: {describe()} ({err})") from err
             if found is None:
                 raise
             self.broken = True
+            self._hand_on(found)
             raise found from err
 
     def _published_verdict(self) -> BaseException | None:
@@ -227,18 +236,61 @@ class ControlChannel:
         self._in_wait = True
         self._publish(_State("waiting", 0, group, index, dict(self.issued), describe()))
         previous: list[_State] | None = None
+        verdict: BaseException | None = None
         try:
             while not _wait_for(work, limit):
                 states = self._read_all()
-                error = self._verdict(states, previous, advice)
-                if error is not None:
+                verdict = self._verdict(states, previous, advice)
+                if verdict is not None:
                     self.broken = True
-                    raise error
+                    break
                 previous = states
         finally:
             self._in_wait = False
-            with contextlib.suppress(RuntimeError, OSError):  # the store may be gone with rank 0: keep the real error
-                self._publish(_State("running", 0))
+            if verdict is None:  # (a verdict is published by _hand_on instead)
+                with contextlib.suppress(RuntimeError, OSError):  # the store may be gone with rank 0
+                    self._publish(_State("running", 0))
+        if verdict is not None:
+            self._hand_on(verdict)
+            raise verdict
+
+    def _hand_on(self, verdict: BaseException) -> None:
+        """Make sure every rank learns ``verdict`` before this one leaves (see [Note: every rank is told]).
+
+        [Note: every rank is told]
+        The rank that finds a deadlock, or that fails, is often not the one at fault, and the others learn why
+        only from the store: a deadlock is published as ``mismatch`` with its whole text (every rank then raises
+        the same ``CollectiveMismatchError``), a failure as ``failed``. Each rank that holds a verdict, raised
+        in its own wait or found by its monitor thread while it was blocked in a collective of someone else's,
+        writes ``read/<rank>``. Rank 0 hosts the ``TCPStore`` that ``init_process_group`` set up, so it stays,
+        before it raises, until every other rank has written that key, at most ``LINGER_POLLS`` polls: a rank
+        busy elsewhere cannot read it, and then rank 0 goes, and that rank is told that the store stopped
+        answering, with what it was waiting in. The Fabric strategies meet the same code: it runs where the
+        verdict is found, not in a Lightning hook."""
+        if self.store is None:
+            return
+        with contextlib.suppress(RuntimeError, OSError):  # best effort: the store may be gone already
+            if isinstance(verdict, CollectiveMismatchError):
+                self._publish(_State("mismatch", 0, what=str(verdict)))
+            self._acknowledge()
+            if self.rank == 0:
+                self._linger()
+
+    def _acknowledge(self) -> None:
+        assert self.store is not None
+        with self._lock:
+            self.store.set(f"read/{self.rank}", "1")
+
+    def _linger(self) -> None:
+        """Rank 0: wait until every other rank has read the verdict, or ``LINGER_POLLS`` polls have passed."""
+        assert self.store is not None
+        deadline = time.monotonic() + LINGER_POLLS * self.poll_seconds
+        unread = list(range(1, self.world_size))
+        while unread and time.monotonic() < deadline:
+            with self._lock:
+                unread = [r for r in unread if not self.store.check([f"read/{r}"])]
+            if unread:
+                time.sleep(min(0.05, self.poll_seconds))
 
     def _watch_direct_collectives(self, main: int | None) -> None:
         """The monitor thread: publish a state for the main thread while it is blocked in a collective that
@@ -248,8 +300,7 @@ class ControlChannel:
         seen: tuple[int, int] | None = None
         published = False
         previous: list[_State] | None = None
-        while True:
-            time.sleep(self.poll_seconds)
+        while not self._stop.wait(self.poll_seconds):
             try:
                 frame = sys._current_frames().get(main) if main is not None else None
                 blocked = None if self._in_wait or frame is None else _direct_collective(frame)
@@ -270,9 +321,34 @@ class ControlChannel:
                 error = self._verdict(states, previous)
                 if error is not None:
                     self.verdict = str(error)
+                    self._acknowledge()  # see [Note: every rank is told]
                 previous = states
             except Exception:  # the store or the process is going away: nothing left to report
                 return
+
+    def close(self, destroy_group: bool = True) -> None:
+        """End the monitor thread and, with ``destroy_group``, the channel's process group (every rank, after the
+        last agreement: the channel is then unusable, and ``create`` makes a new one). Without it (after a failure,
+        when a collective may still be in flight on the group) only the thread ends.
+
+        [Note: nothing outlives teardown]
+        A thread that asks for the GIL after the interpreter has finalized is ended by ``pthread_exit``, and when
+        its stack holds torch's C++ frames (the monitor in a store read, a gloo worker freeing the tensors of its
+        last collective) the forced unwind aborts the process with ``terminate called without an active
+        exception``, after the run has succeeded. So a run's end stops the monitor and joins it, destroys the
+        channel's group and drops the channel's reference to it (the group's worker threads end with the
+        object); the default group is destroyed at exit (see [Note: the process group at exit] in
+        ``process_exit.py``)."""
+        global _current
+        self._stop.set()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=self.poll_seconds + 5)
+        self._monitor = None
+        if destroy_group and dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(RuntimeError, ValueError):
+                dist.destroy_process_group(self.group)
+            self.group = None  # the last reference: the group's worker threads end with it
+        self.closed = True  # never handed out again
 
     def explain(self, error: BaseException) -> None:
         """Add what the monitor found (a deadlock), or which rank failed and how, to ``error``'s message (in
@@ -284,9 +360,11 @@ class ControlChannel:
         if verdict and verdict not in str(error):
             error.args = (f"{error}\nlightning_zero: {verdict}", *error.args[1:])
 
-    def report_failure(self, error: BaseException) -> None:
+    def report_failure(self, error: BaseException, linger: bool = True) -> None:
         """Tell the other ranks, through the store, that this rank failed and why (best effort). A deadlock this
-        rank found is passed on as it is, so that every rank raises the same ``CollectiveMismatchError``."""
+        rank found is passed on as it is, so that every rank raises the same ``CollectiveMismatchError``.
+        ``linger``: on rank 0, stay until the others have read it (see [Note: every rank is told]); pass ``False``
+        for a failure that another rank caused (a peer that went away), which the others know already."""
         if self.store is None:
             return
         if isinstance(error, CollectiveMismatchError):
@@ -296,6 +374,9 @@ class ControlChannel:
             state = _State("failed", 0, what=text[0][:300] if text else type(error).__name__)
         try:
             self._publish(state)
+            self._acknowledge()
+            if self.rank == 0 and linger:  # the others learn it from the store this rank hosts
+                self._linger()
         except (RuntimeError, OSError):  # the store's host (rank 0) may be gone already
             pass
 

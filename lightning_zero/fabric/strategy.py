@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed
+import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -56,6 +57,7 @@ from lightning_zero.engine.control import ControlChannel
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.process_exit import destroy_at_exit
 from lightning_zero.engine.sharded_model import check_offload_params
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric.precision import check_precision, shard_scaler, skip_nonfinite_step
@@ -195,9 +197,12 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        created = not (dist.is_available() and dist.is_initialized())
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        if created:  # see [Note: the process group at exit] in engine/process_exit.py
+            destroy_at_exit()
         self._control = ControlChannel.create()  # see [Note: agreements] in engine/control.py
 
     # ------------------------------------------------------------------ model and optimizers
@@ -364,6 +369,9 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             self._sharded.release()
             self._sharded = None
             self._steps = None
+        if self._control is not None:  # see [Note: nothing outlives teardown] in engine/control.py
+            self._control.close()
+            self._control = None
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints

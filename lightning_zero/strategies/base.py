@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import lightning.pytorch as pl
 import torch
 import torch.distributed
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
@@ -55,15 +56,16 @@ from lightning_zero.engine.checkpoint import (
     sharded_optimizer_state,
 )
 from lightning_zero.engine.comm import CollectiveChecks
-from lightning_zero.engine.control import ControlChannel, abort_if_broken
+from lightning_zero.engine.control import ControlChannel, PeerFailureError, abort_if_broken
 from lightning_zero.engine.files import find_checkpoint, remove_checkpoint
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.process_exit import destroy_at_exit, mark_failed
 from lightning_zero.engine.sharded_model import check_offload_params
 from lightning_zero.strategies import agreement, checkpointing
 from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
-from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure
+from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure, peer_went_away
 from lightning_zero.strategies.memory_report import MemoryReport, memory_report
 from lightning_zero.strategies.options import (
     CheckpointFormat,
@@ -273,9 +275,12 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        created = not (dist.is_available() and dist.is_initialized())
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
+        if created:  # see [Note: the process group at exit] in engine/process_exit.py
+            destroy_at_exit()
         self._control = ControlChannel.create()  # see [Note: agreements] in engine/control.py
 
     def set_world_ranks(self) -> None:
@@ -403,10 +408,14 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         # unless the error is one that every rank raises at the same point (ours, checked everywhere).
         broken = self._sharded is not None and self._sharded.comm.broken
         self._failed = broken or not isinstance(exception, RAISED_ON_EVERY_RANK)
+        if self._failed:
+            mark_failed()
         if self._control is not None:
             self._control.explain(exception)
             if self._failed:
-                self._control.report_failure(exception)  # the ranks waiting for this one stop at once
+                # The ranks waiting for this one stop at once; they know already when a peer went away.
+                secondary = isinstance(exception, PeerFailureError) or peer_went_away(exception)
+                self._control.report_failure(exception, linger=not secondary)
         if broken:
             abort_if_broken(self._sharded.comm)
         explain_peer_failure(exception)
@@ -428,6 +437,9 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
                 self._sharded.comm.agree_event("teardown", lambda: f"teardown at the end of {what}")
             self._sharded.release(gather=not self._failed)
             self._sharded = None
+        if self._control is not None:  # see [Note: nothing outlives teardown] in engine/control.py
+            self._control.close(destroy_group=not self._failed)
+            self._control = None
         module = self._lightning_module
         if module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync and self.model is not None:
@@ -628,8 +640,11 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
 
     @property
     def writes_sharded_checkpoints(self) -> bool:
-        """Whether ``save_checkpoint`` writes a sharded directory now (sharded model, ``"sharded"`` format)."""
-        return self._sharded is not None and self.checkpoint_format == "sharded"
+        """Whether ``save_checkpoint`` writes a sharded directory now: the ``"sharded"`` format, during a run or after
+        it (from the whole module, once its process group exists)."""
+        if self.checkpoint_format != "sharded":
+            return False
+        return self._sharded is not None or (self._lightning_module is not None and dist.is_initialized())
 
     @property
     def writes_parallel_checkpoints(self) -> bool:

@@ -49,3 +49,9 @@ def explain_peer_failure(exception: BaseException) -> None:
     message = str(exception)
     if _PEER_GONE.search(message) and PEER_FAILURE_HINT not in message:
         exception.args = (f"{message}\n{PEER_FAILURE_HINT}", *exception.args[1:])
+
+
+def peer_went_away(exception: BaseException) -> bool:
+    """Whether ``exception`` is the backend's error for a peer that exited or was killed (a failure caused by
+    another rank, not this one's own)."""
+    return bool(_PEER_GONE.search(str(exception)))

@@ -43,6 +43,7 @@ from lightning_zero.engine.checkpoint import (
     checkpoint_meta,
     gather_checksums,
     gather_to_zero,
+    plain_module_checkpoint,
     save_sharded,
 )
 from lightning_zero.engine.checksums import PieceChecksum, join_checksums, write_checksums
@@ -215,11 +216,15 @@ def _commits_in_place(path: Path) -> bool:
 
 
 def save_sharded_directory(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
-    """Write ``checkpoint`` (with DTensor pieces) as a sharded directory at ``path``; every rank writes its part."""
+    """Write ``checkpoint`` (with DTensor pieces, or the whole module's tensors after a run) as a sharded directory
+    at ``path``; every rank writes its part."""
     rank0 = strategy.is_global_zero
     # Built on every rank (it is cheap), so that a problem raises everywhere instead of stranding the others.
     optimizers = strategy.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
-    zero_meta = checkpoint_meta(strategy.sharded_model, optimizers)
+    if strategy._sharded is None:  # a run has ended: the module is whole again
+        checkpoint, zero_meta = plain_module_checkpoint(strategy.lightning_module, optimizers, checkpoint)
+    else:
+        zero_meta = checkpoint_meta(strategy.sharded_model, optimizers)
     lock: int | None = None
     plan = None
     if rank0:  # the directory the ranks write into exists, held, before they learn its name
