@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import tempfile
 import time
@@ -23,6 +22,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from benchmarks.results import report_json
 from lightning_zero import ZeRO3Strategy
 from lightning_zero.engine import checkpoint as engine_checkpoint
 from lightning_zero.engine import checksums
@@ -129,11 +129,7 @@ def main() -> None:
     times = per_rank[0]
     medians = {what: statistics.median(values) for what, values in times.items()}
     result = {"ranks": args.ranks, "repeats": args.repeats, "seconds": times, "median_seconds": medians}
-    text = json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    print(text)
+    report_json(result, args.out)
 
 
 if __name__ == "__main__":

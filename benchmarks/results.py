@@ -203,3 +203,12 @@ def jsonl_writer(path: str) -> Callable[[dict], None]:
         print(f"[repeat {record['repeat'] + 1}] {record['system']}: {what}", flush=True)
 
     return emit
+
+
+def report_json(result: dict[str, Any], out: Path | None) -> None:
+    """Print ``result`` as JSON and, with ``out``, write it there too (the small benchmarks' one output)."""
+    text = json.dumps(result, indent=2)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    print(text)

@@ -11,7 +11,6 @@ from ``VmHWM`` after resetting it at ``on_train_end`` (``/proc/self/clear_refs``
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 import lightning_zero  # noqa: F401 (registers the strategies)
+from benchmarks.results import report_json
 from lightning_zero.processes import run_on_cpu_ranks
 
 MIB = 2**20
@@ -100,11 +100,7 @@ def main() -> None:
     )
     params = args.depth * 2 * (args.width * args.width + args.width)
     result = {"strategy": args.strategy, "parameters": params, "ranks": ranks}
-    text = json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    print(text)
+    report_json(result, args.out)
 
 
 if __name__ == "__main__":
