@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from benchmarks.results import report_json
+from benchmarks.trainer_mode import BARE_TRAINER
 from lightning_zero import ZeRO3Strategy
 from lightning_zero.engine import checkpoint as engine_checkpoint
 from lightning_zero.engine import checksums
@@ -106,14 +107,10 @@ def _measure(rank: int, world_size: int, repeats: int, root: str) -> dict[str, l
         torch.manual_seed(0)
         L.Trainer(
             strategy=ZeRO3Strategy(checkpoint_format=fmt),
-            accelerator="cpu",
             devices=world_size,
             max_steps=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
             callbacks=[_Timer(fmt, repeats, root, times)],
+            **BARE_TRAINER,
         ).fit(Stack())
     return times
 

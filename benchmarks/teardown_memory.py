@@ -20,6 +20,7 @@ from torch import nn
 
 import lightning_zero  # noqa: F401 (registers the strategies)
 from benchmarks.results import report_json
+from benchmarks.trainer_mode import BARE_TRAINER
 from lightning_zero.processes import run_on_cpu_ranks
 
 MIB = 2**20
@@ -67,17 +68,7 @@ class _AtTrainEnd(L.Callback):
 
 def _measure(rank: int, world_size: int, strategy: str, width: int, depth: int) -> dict[str, Any]:
     probe = _AtTrainEnd()
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world_size,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[probe],
-    )
+    trainer = L.Trainer(strategy=strategy, devices=world_size, max_steps=2, callbacks=[probe], **BARE_TRAINER)
     trainer.fit(Stack(width, depth))
     after = _resident()
     return {
