@@ -132,6 +132,15 @@ class DirectReduceOnRank1(L.Callback):
             torch.distributed.all_reduce(torch.ones(3))
 
 
+class ReadOnRank0Only(L.Callback):
+    """Reads a stage-3 parameter's values on rank 0 only (``if trainer.is_global_zero: print(...)``): under stage 3 a
+    collective that rank 1 does not make."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if trainer.is_global_zero and trainer.global_step == 2:
+            float(pl_module.up.weight.detach().sum())
+
+
 class SigtermOnRank1(L.Callback):
     """Rank 1 receives a real SIGTERM (handled by the handlers Lightning registered) after step 2."""
 
@@ -176,6 +185,8 @@ def _agreements(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     # Lightning stops every rank when one receives SIGTERM; the flag travels in the step agreement.
     trainer = quiet_trainer(strategy=_strategy("zero3"), devices=world_size, max_steps=6, callbacks=[SigtermOnRank1()])
     results["zero3: SIGTERM on rank 1"] = _outcome(trainer, ParityNet(optimizer="sgd"))
+    trainer = quiet_trainer(strategy=_strategy("zero3"), devices=world_size, max_steps=4, callbacks=[ReadOnRank0Only()])
+    results["zero3: parameter read on rank 0 only"] = _outcome(trainer, ParityNet(optimizer="sgd"))
     return results
 
 
@@ -198,6 +209,8 @@ def test_ranks_that_disagree_on_steps_saves_or_trainable_sets_fail_fast_or_train
         message = outcomes[0]["message"]
         if "frozen" in case:
             assert "setup with" in message and "frozen: 'up." in message and "requires_grad" in message, message
+        elif "read" in case:  # the read is a gather that rank 1 never joins: named, and where rank 1 was
+            assert "(a read of up.weight outside its forward)" in message and "rank 1: start training step 3" in message
         elif "uneven" in case:
             assert "rank 0: start training step 7" in message and "same number of batches" in message, message
         else:  # a save that rank 1 never joins: named, and nothing written

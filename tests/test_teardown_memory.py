@@ -1,9 +1,11 @@
 """The end of a run builds nothing whole that does not fit: a model that trains only because it is sharded also
-ends cleanly (see [Note: what fits at the end] in ``lightning_zero/engine/free_memory.py``)."""
+ends cleanly (see [Note: what fits at the end] in ``lightning_zero/engine/free_memory.py``). When its full parameters
+do not fit either, the model stays sharded, and the next runs of the same Trainer use it as it is."""
 
 from __future__ import annotations
 
 import resource
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.optimizer import ShardedOptimizerStateError
+from lightning_zero.engine.placeholder import ShardedParameterReadError
 from tests.distributed import spawn
 from tests.models import quiet_trainer
 
@@ -30,9 +33,17 @@ class Stack(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("test_loss", self.layers(batch[0]).square().mean(), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layers(batch[0]).sum(dim=1)
+
     def train_dataloader(self) -> Any:
         data = torch.utils.data.TensorDataset(torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0)))
         return torch.utils.data.DataLoader(data, batch_size=2)
+
+    test_dataloader = predict_dataloader = train_dataloader
 
 
 def _address_space() -> int:
@@ -62,7 +73,9 @@ class LimitMemoryAtTheEnd(L.Callback):
 def _run(rank: int, world_size: int, root: str) -> None:
     torch.manual_seed(0)
     ddp = Stack()
-    quiet_trainer(strategy="ddp", devices=world_size, max_steps=2).fit(ddp)
+    reference = quiet_trainer(strategy="ddp", devices=world_size, max_steps=2)
+    reference.fit(ddp)
+    ddp_test, ddp_predictions = reference.test(ddp, verbose=False), reference.predict(ddp)
     for name in ("zero1", "zero2", "zero3"):
         torch.manual_seed(0)
         model = Stack()
@@ -84,6 +97,36 @@ def _run(rank: int, world_size: int, root: str) -> None:
         trainer.save_checkpoint(f"{root}/{name}-weights.ckpt", weights_only=True)
         saved = torch.load(f"{root}/{name}-weights.ckpt", weights_only=True)["state_dict"]
         assert all(torch.equal(saved[k], v) for k, v in ddp.state_dict().items()), name
+    # Room for neither: the parameters are not gathered either, and the model stays sharded between runs.
+    torch.manual_seed(0)
+    model = Stack()
+    limit = LimitMemoryAtTheEnd(room=24 << 20)  # the full parameters need 34 MB
+    trainer = quiet_trainer(strategy="zero3", devices=world_size, max_steps=2, callbacks=[limit])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(model)
+        finally:
+            limit.lift()
+    said = [str(w.message) for w in caught if "stays sharded" in str(w.message)]
+    if rank == 0:
+        assert len(said) == 1 and "full parameters were not gathered, since they need" in said[0], said
+    else:
+        assert not said, said
+    with pytest.raises(
+        ShardedParameterReadError, match=r"'layers\.0\.weight' \(unit 'layers\.0'\) was read between runs"
+    ):
+        model.layers[0].weight.sum()
+    with pytest.raises(ValueError, match=r"still sharded by the lightning_zero strategy of an earlier run"):
+        quiet_trainer(strategy="zero3", devices=world_size).test(model, verbose=False)
+    # The same Trainer's next runs use it as it is, with DDP's results (and read it during them).
+    assert trainer.test(model, verbose=False) == ddp_test
+    assert all(torch.equal(a, b) for a, b in zip(trainer.predict(model), ddp_predictions))
+    trainer.save_checkpoint(f"{root}/kept.ckpt", weights_only=True)  # on every rank, in pieces
+    saved = torch.load(f"{root}/kept.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(saved[k], v) for k, v in ddp.state_dict().items())
+    # Each run's end checks again: with the limit lifted, the end of predict gathered the parameters.
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in ddp.state_dict().items())
     # With room for both, the end of fit leaves DDP's full optimizer states, as before.
     torch.manual_seed(0)
     model = Stack()

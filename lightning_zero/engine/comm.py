@@ -326,6 +326,11 @@ class Comm:
         # The Comm whose sequence checks this one's collectives: itself, or the world's for a ``subgroup``.
         self._checker: Comm = self
 
+    @property
+    def skips_collectives(self) -> bool:
+        """Whether this is a world of one whose collectives are skipped (then it has no control channel)."""
+        return self._skip
+
     def subgroup(self, group: dist.ProcessGroup) -> Comm:
         """A ``Comm`` over ``group`` (a process group made on every rank of this one, e.g. a shard group of
         hybrid sharding) whose collectives are checked in *this* Comm's sequence (see [Note: collective checks]):

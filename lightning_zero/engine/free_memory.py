@@ -14,6 +14,13 @@ none does.
   (v2 ``memory.max``/``memory.current``, or v1), shared by the ranks of this node (they gather at the
   same moment: ``LOCAL_WORLD_SIZE``), and of the address space ``RLIMIT_AS`` leaves this process.
 - Unknown (no such file, another OS): ``None``, and callers keep their behaviour.
+
+What does not fit stays sharded (``ShardedModel.release``): optimizer states keep this rank's shard
+and refuse what needs them whole (``ShardedOptimizerStateError``); full parameters are not gathered
+at all, and the module stays sharded between runs, with its hooks (``ShardedModel.suspend``): the
+next run of the same strategy takes it as it is (``resume``, with that run's control channel),
+a read of a parameter in between says why and how to get full weights, and another strategy is
+refused it at setup (``placeholder.refuse_module_sharded_elsewhere``).
 """
 
 from __future__ import annotations
@@ -101,3 +108,19 @@ def describe_bytes(count: float) -> str:
             return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
         count /= 1024
     return f"{count:.1f} GiB"
+
+
+def kept_sharded_text(reason: str, fabric: bool = False) -> str:
+    """What to tell the user (on rank 0) when a run ended with the module kept sharded, because ``reason``."""
+    if fabric:
+        after = "For full weights, save before teardown with fabric.save(...) on every rank"
+    else:
+        after = (
+            "The next trainer.validate/test/predict of the same Trainer uses it as it is. For full weights, save "
+            "with trainer.save_checkpoint(...) on every rank"
+        )
+    return (
+        f"lightning_zero: the model stays sharded after this run: its full parameters were not gathered, since "
+        f"{reason}. {after} (written in pieces, never whole) and read the file with "
+        "lightning_zero.consolidate_checkpoint(...)."
+    )

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from lightning_zero.engine.comm import Comm
 from lightning_zero.engine.layout import ParamShard
 from lightning_zero.engine.optimizer import is_param_shaped, slice_state
+from lightning_zero.engine.placeholder import passthrough
 from lightning_zero.engine.unit import ShardedUnit
 
 
@@ -74,6 +75,9 @@ class StateDictGatherer:
         self._handles: list[Any] = []
         self._depth = 0
         self._gathered: dict[ShardedUnit, list[torch.Tensor]] = {}
+        # ``_save_to_state_dict`` detaches every parameter: the placeholders are taken as they are and replaced in
+        # ``_fill`` (see [Note: reading a sharded parameter] in placeholder.py), not gathered one read at a time.
+        self._plain: Any = None
 
     def install(self, root: nn.Module) -> None:
         if not self._where:
@@ -92,9 +96,17 @@ class StateDictGatherer:
     def _enter(self, _module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
         if self._depth == 0:
             self._gathered.clear()  # a previous call that raised half-way must not leave stale values
+            self._leave_plain()
             for unit in self._units:
                 unit.adopt_rebound_data()
+            self._plain = passthrough()
+            self._plain.__enter__()
         self._depth += 1
+
+    def _leave_plain(self) -> None:
+        plain, self._plain = self._plain, None
+        if plain is not None:
+            plain.__exit__(None, None, None)
 
     def _fill(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, _local_metadata: Any) -> None:
         try:
@@ -112,6 +124,7 @@ class StateDictGatherer:
             self._depth -= 1
             if self._depth == 0:
                 self._gathered.clear()
+                self._leave_plain()
 
 
 class ShardLoader:

@@ -11,7 +11,7 @@ import os
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,10 @@ from lightning_zero.engine.mesh import ShardGroups, ShardSize, resolve_shard_siz
 from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params, guard_sharded_state, is_param_shaped
 from lightning_zero.engine.param_checks import check_no_shared_memory, check_no_sparse_gradients, check_unit_params
 from lightning_zero.engine.stage3 import Stage3Hooks
-from lightning_zero.engine.unit import ShardedUnit
+from lightning_zero.engine.unit import ShardedUnit, UnitState
+
+if TYPE_CHECKING:
+    from lightning_zero.engine.control import ControlChannel
 
 STAGES = (1, 2, 3)
 
@@ -194,6 +197,7 @@ class ShardedModel:
         self._on_shards: list[tuple[nn.Parameter, nn.Parameter, torch.Tensor]] | None = None
         self._on_shards_units: list[ShardedUnit] = []
         self._entered_by_step_hook = False
+        self.between_runs: str | None = None  # why the module stayed sharded after a run (see ``release``)
 
     # ------------------------------------------------------------------ steps
     @contextmanager
@@ -358,6 +362,7 @@ class ShardedModel:
             unit.wait_host_reads()  # the step writes the master, which may be the offloaded shard itself
             unit.adopt_rebound_data()
             unit.check_no_hidden_writes()
+            unit.reveal()  # the optimizer works on the parameters themselves (see [Note: reading a sharded parameter])
             for param, shard_param in zip(unit.params, unit.shard_params):
                 if shard_param.grad is not None and not reducer.has_marker(param):
                     shard_param.grad = None  # the user zeroed it (see [Note: gradient markers] in grads.py)
@@ -376,6 +381,7 @@ class ShardedModel:
             if shard_param.grad is not None:
                 self.reducer.put_marker(param)
         for unit in self._on_shards_units:
+            unit.conceal_if_sharded()
             unit.record_hidden_versions()  # the optimizer's in-place updates count as writes
         self._on_shards = None
         self._on_shards_units = []
@@ -539,18 +545,35 @@ class ShardedModel:
         load_full_optimizer_state_dict(optimizer, state_dict, self._param_of, lambda: self.on_shards(optimizer))
 
     # ------------------------------------------------------------------ lifecycle and accounting
-    def release(self, gather: bool = True) -> None:
+    def release(self, gather: bool = True) -> str | None:
         """Remove every hook and make the module and its optimizers plain again: each parameter with
         its own full storage, each optimizer over the module's parameters with full per-parameter
-        state (collectives: call on every rank). ``gather=False`` (after a failure on some rank,
-        when collectives could hang) uses no collective: stage-3 parameters, which only exist as
-        shards, become NaN, and optimizers keep stepping shards."""
+        state (collectives: call on every rank). What does not fit stays sharded (see [Note: what fits at
+        the end] in ``free_memory.py``): optimizer states that do not fit stay shard-shaped and guarded, and
+        full parameters that do not fit are not gathered at all: the module then stays sharded, with its
+        hooks, until ``resume`` (the next run) or ``release`` again; the reason is returned (else ``None``).
+        ``gather=False`` (after a failure on some rank, when collectives could hang) uses no collective:
+        stage-3 parameters, which only exist as shards, become NaN, and optimizers keep stepping shards."""
         if self._on_shards is not None:  # a step that raised
             self._exit_shards()
         for handles in self._step_hooks.values():
             for handle in handles:
                 handle.remove()
         self._step_hooks.clear()
+        if gather:
+            self.adopt_rebound_data()  # e.g. ModelPruning's permanent weights, set with p.data = ... at the end of fit
+            kept_sharded = self._optimizer_states_that_do_not_fit()
+            for optimizer in self.optimizers:
+                if kept_sharded is None:
+                    self._unbind_optimizer(optimizer)
+                else:
+                    guard_sharded_state(optimizer, kept_sharded)
+            self.optimizers.clear()
+            too_big = self._parameters_that_do_not_fit()
+            if too_big is not None:
+                self.suspend(too_big)
+                return too_big
+        self.between_runs = None
         self.reducer.remove()
         self.reducer.drop_buffers()  # the reusable gradient buffers are not needed once the module is plain
         for unit in self.units:
@@ -563,17 +586,40 @@ class ShardedModel:
         if not gather:
             for unit in self.units:
                 unit.release_without_peers()
-            return
-        self.adopt_rebound_data()  # e.g. ModelPruning's permanent weights, set with p.data = ... at the end of fit
-        kept_sharded = self._optimizer_states_that_do_not_fit()
-        for optimizer in self.optimizers:
-            if kept_sharded is None:
-                self._unbind_optimizer(optimizer)
-            else:
-                guard_sharded_state(optimizer, kept_sharded)
-        self.optimizers.clear()
+            return None
         for unit in self.units:
             unit.release()
+        return None
+
+    def suspend(self, reason: str) -> None:
+        """Keep the module sharded between runs (``release`` found its full parameters would not fit: ``reason``):
+        its collectives run unchecked (the run's control channel is closed), and reading a parameter raises an
+        error that says why and how to get full weights (see [Note: reading a sharded parameter])."""
+        self.between_runs = reason
+        self.optimizers.clear()
+        self.reducer.drop_buffers()
+        for unit in self.units:
+            unit.between_runs = reason
+        for comm in self.comms().values():
+            comm.control = None
+
+    def resume(self, control: ControlChannel | None) -> None:
+        """Use a module kept sharded by ``release`` in a new run, whose collectives ``control`` checks."""
+        self.between_runs = None
+        for unit in self.units:
+            unit.between_runs = None
+        for comm in self.comms().values():
+            comm.control = control if not comm.skips_collectives else None
+
+    def _parameters_that_do_not_fit(self) -> str | None:
+        """Why the full parameters would not fit on some rank's device, or ``None`` (a collective)."""
+        needed: dict[torch.device, int] = {}
+        for unit in self.units:
+            if unit.state is UnitState.UNSHARDED and not unit.separate_master:
+                continue  # released in place
+            size = unit.layout.padded_numel * torch.empty((), dtype=unit.master_dtype).element_size()
+            needed[unit.device] = needed.get(unit.device, 0) + size
+        return self._agree_on_fit(needed, "whether the full parameters fit")
 
     def _optimizer_states_that_do_not_fit(self) -> str | None:
         """Why the optimizers' full per-parameter states would not fit on some rank's device (see [Note: what fits
@@ -589,9 +635,13 @@ class ShardedModel:
                 for key, value in entry.items():
                     if is_param_shaped(key, value, shard_param):
                         needed[value.device] = needed.get(value.device, 0) + param.numel() * value.element_size()
+        return self._agree_on_fit(needed, "whether the full optimizer states fit")
+
+    def _agree_on_fit(self, needed: dict[torch.device, int], name: str) -> str | None:
+        """``None`` if ``needed`` bytes fit on every rank's devices, else why not (a collective)."""
         short = next(((d, n) for d, n in needed.items() if not fits(n, d)), None)
         flag = torch.tensor([0 if short else 1], dtype=torch.int64, device=self.units[0].device)
-        self.comm.all_reduce(flag, op=dist.ReduceOp.MIN, name="whether the full optimizer states fit")
+        self.comm.all_reduce(flag, op=dist.ReduceOp.MIN, name=name)
         if int(flag.item()) == 1:
             return None
         if short is None:

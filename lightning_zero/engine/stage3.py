@@ -51,7 +51,7 @@ A module that owns parameters but is not a unit root is *folded* into the unit o
 if the folded module runs inside that forward (or while the unit is held). The module tree cannot
 tell; the first training step does: a forward pre-hook on every folded module checks that its unit
 is gathered, and raises ``FoldedModuleError`` naming the module and the unit otherwise (instead of
-computing with placeholder values, which read NaN). The checks are removed when the first training
+computing with parameters that are not gathered). The checks are removed when the first training
 step ends, so later steps pay nothing. Modules inside compiled code are not checked (a hook there
 would break the graph once and force a recompile).
 """

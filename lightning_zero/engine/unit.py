@@ -34,23 +34,22 @@ A stage-3 parameter is always the same ``nn.Parameter`` object (optimizers, tied
 and user code keep their references), but what its ``.data`` is depends on the unit's state:
 
 - ``UNSHARDED``: a view of ``flat`` (the gathered values);
-- ``SHARDED``: a *placeholder*: one NaN element expanded to the parameter's shape (stride 0). It
-  has the right shape, dtype and device (``numel()``, ``ModelSummary``, ``p.device`` work), reads
-  give NaN (loud, never another tensor's memory), and in-place arithmetic or copies into it
-  (``copy_``, ``mul_``, ``lerp_``) raise PyTorch's "more than one element of the written-to tensor
-  refers to a single memory location" error. Fills (``zero_``, ``fill_``, ``normal_``) are not
-  refused by PyTorch, but any in-place write through the parameter (or its ``detach()``) bumps its
-  version counter: the next ``unshard()`` compares it with the one recorded at ``reshard()`` and
-  raises ``ShardedParameterWriteError`` naming the parameter, so no write is ever dropped silently.
-  (Writes through ``param.data`` share no version counter and cannot be seen; they land in the
-  placeholder and are lost.)
+- ``SHARDED``: a *placeholder*: one NaN element expanded to the parameter's shape (stride 0), which
+  never points into freed memory, and the parameter itself switched to a subclass of its class whose
+  ``__torch_function__`` answers every use (see [Note: reading a sharded parameter] in
+  ``placeholder.py``): metadata (``shape``, ``dtype``, ``device``, ``numel()``, ``requires_grad``) as
+  under DDP; a read of values (``p.norm()``, ``p.detach().cpu()``) from a copy gathered for it, when
+  every rank reads; an in-place write, which would be lost, refused with ``ShardedParameterWriteError``.
+  What only the engine can still write into a placeholder is caught as before: an in-place write bumps
+  the parameter's version counter, and the next ``unshard()`` compares it with the one recorded at
+  ``reshard()`` and raises ``ShardedParameterWriteError`` naming the parameter.
 
-Reading a freed storage crashed the process; a placeholder cannot. Code that needs the real values
-outside a forward uses ``ShardedModel.gathered_parameters()`` (full values in the master dtype,
-writes go back to the shards), or ``module.state_dict()``, which gathers (see ``StateDictGatherer``
-in ``full_state.py``). FSDP2 answers the same question with DTensor parameters; our flat layout
-splits parameters at arbitrary element offsets, which a DTensor placement cannot describe, and
-DeepSpeed leaves an empty tensor, which reads as a silently wrong shape.
+Reading a freed storage crashed the process; a placeholder cannot. Code that reads many parameters
+outside a forward is faster inside ``ShardedModel.gathered_parameters()`` (full values in the master
+dtype, writes go back to the shards), or with ``module.state_dict()``, which gathers each unit once (see
+``StateDictGatherer`` in ``full_state.py``). FSDP2 answers the same question with DTensor parameters;
+our flat layout splits parameters at arbitrary element offsets, which a DTensor placement cannot
+describe, and DeepSpeed leaves an empty tensor, which reads as a silently wrong shape.
 
 During an optimizer step (``ShardedModel.on_shards``) a parameter's ``.data`` is its 1-D master
 piece and its ``.grad`` the sharded gradient, so the user's optimizer steps the module's own
@@ -135,6 +134,13 @@ from torch import nn
 from lightning_zero.engine.comm import Comm, Pending
 from lightning_zero.engine.layout import ParamShard, ShardLayout
 from lightning_zero.engine.param_checks import check_unit_params
+from lightning_zero.engine.placeholder import (
+    ShardedParameterReadError,
+    ShardedParameterWriteError,
+    hide,
+    passthrough,
+    reveal,
+)
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -231,6 +237,8 @@ class ShardedUnit:
         # them is one ``.data`` assignment per parameter (see [Note: parameters outside their unit's use]).
         self._views = [p.data for p in params]
         self._placeholders = [placeholder_like(p) for p in params]
+        self._hidden_classes: dict[type, type] = {}  # see [Note: reading a sharded parameter] in placeholder.py
+        self.between_runs: str | None = None  # set while the model stays sharded between runs (ShardedModel.release)
         self._exposed = True
         self._versions_when_hidden: list[int] = []
         self._aliases: dict[int, torch.Tensor] = {}  # see ``adopt_rebound_data``
@@ -333,6 +341,7 @@ class ShardedUnit:
         if self.state is UnitState.UNSHARDED and not self._exposed:
             # Issued ahead (a prefetch, or at the start of a batch): user code ran in between.
             self.check_no_hidden_writes()
+            reveal(self.params)
             self._set_param_data(self._views)
             self._exposed = True
 
@@ -342,6 +351,7 @@ class ShardedUnit:
             return
         self._finish_gather()
         self._set_param_data(self._placeholders)
+        hide(self.params, self, self._hidden_classes)
         self._exposed = False
         self.record_hidden_versions()
         self.flat.untyped_storage().resize_(0)
@@ -370,6 +380,10 @@ class ShardedUnit:
         ``torch.nn.utils.prune.remove`` and Lightning's ``ModelPruning`` do), which would otherwise detach it
         from the unit: the values go into the flat buffer and this rank's master piece, and the parameter
         points where it should again. Local (no collective); cheap when nothing was rebound."""
+        with passthrough():
+            self._adopt_rebound_data()
+
+    def _adopt_rebound_data(self) -> None:
         expected = self._views if self._exposed else self._placeholders
         adopted = False
         for index, (param, want) in enumerate(zip(self.params, expected)):
@@ -463,6 +477,7 @@ class ShardedUnit:
         # A gather issued ahead whose peers may be gone is never waited for, and what it wrote is not trusted.
         lost = self.state is UnitState.SHARDED or not self._exposed or self.separate_master
         self._gathering = None
+        reveal(self.params)
         with torch.no_grad():
             for param, view in zip(self.params, self._views):
                 if lost:
@@ -478,6 +493,7 @@ class ShardedUnit:
         that releasing a model unit by unit never holds much more than its full parameters (see [Note: what fits
         at the end] in ``free_memory.py``). The unit cannot be used afterwards."""
         self._finish_gather()
+        reveal(self.params)
         in_place = self.state is UnitState.UNSHARDED and not self.separate_master
         full = self.flat if in_place else self.full_flat()  # the parameters' own values, or a gathered copy
         with torch.no_grad():
@@ -503,7 +519,9 @@ class ShardedUnit:
     def show(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Point the parameters at ``tensors``; return what they pointed at (to ``show`` again later). Writes made
         meanwhile are the caller's to handle (``take_writes``)."""
-        previous = [p.data for p in self.params]
+        with passthrough():
+            previous = [p.data for p in self.params]
+        reveal(self.params)
         self._set_param_data(tensors)
         return previous
 
@@ -529,7 +547,39 @@ class ShardedUnit:
         """Undo ``show``: the parameters point at ``previous`` again; what was written meanwhile is not a write
         into a placeholder."""
         self._set_param_data(previous)
+        self.conceal_if_sharded()
         self.record_hidden_versions()
+
+    def reveal(self) -> None:
+        """Let the parameters behave as plain tensors (of whatever their ``.data`` is) until ``conceal_if_sharded``:
+        for the engine's own work on them, e.g. an optimizer step on the master pieces."""
+        reveal(self.params)
+
+    def conceal_if_sharded(self) -> None:
+        """After ``reveal``: while the unit is sharded, reads go through [Note: reading a sharded parameter] again."""
+        if not self._exposed:
+            hide(self.params, self, self._hidden_classes)
+
+    def read_values(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The values of ``params`` (some of this unit's), gathered from every rank into a read-only copy in the
+        master dtype (see [Note: reading a sharded parameter]). A collective: every rank reads the same."""
+        names = [n for p, n in zip(self.params, self.param_names) if any(p is q for q in params)]
+        if self.between_runs is not None:
+            raise ShardedParameterReadError(
+                f"parameter {names[0]!r} (unit {self.name!r}) was read between runs: the model stayed sharded when the "
+                f"run ended, since its full parameters would not fit ({self.between_runs}). Its values can be read "
+                "in the next trainer.validate/test/predict with the same Trainer, saved with "
+                "trainer.save_checkpoint(...) on every rank (written in pieces, never whole) and read whole from the "
+                "file with lightning_zero.consolidate_checkpoint(...), or gathered with "
+                "trainer.strategy.full_state_dict() on every rank where they fit."
+            )
+        self._finish_gather()
+        with torch.no_grad():
+            full = torch.empty(self.layout.padded_numel, dtype=self.master_dtype, device=self.device)
+            label = f"{self.name} (a read of {', '.join(names)} outside its forward)"
+            self.comm.all_gather(full, self.master.to(self.device), name=label, guard=True)
+            views = self.full_views(full)
+        return [views[next(i for i, p in enumerate(self.params) if p is q)] for q in params]
 
     # ------------------------------------------------------------------ gradients
     @property
@@ -765,10 +815,6 @@ def _region(chunks: torch.Tensor, place: _Place) -> torch.Tensor:
     if rows:
         return chunks[row : row + rows, :count]
     return chunks[row, column : column + count]
-
-
-class ShardedParameterWriteError(RuntimeError):
-    """User code wrote into a stage-3 parameter while its unit was sharded (the write would be lost)."""
 
 
 def placeholder_like(param: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -54,9 +54,11 @@ from typing_extensions import override
 from lightning_zero.engine import Comm, ShardedModel, module_class_policy
 from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.control import ControlChannel
+from lightning_zero.engine.free_memory import kept_sharded_text
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.placeholder import refuse_module_sharded_elsewhere
 from lightning_zero.engine.process_exit import destroy_at_exit
 from lightning_zero.engine.sharded_model import check_offload_params
 from lightning_zero.fabric import checkpoint
@@ -246,6 +248,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
                 f"{type(self).__name__} shards one model per Fabric; set up the other modules as submodules of one "
                 "nn.Module, or use another Fabric for them"
             )
+        refuse_module_sharded_elsewhere(module)
         param_dtype = check_precision(self.precision, self.param_dtype)
         trace = self._meta_init if has_meta_tensors(module) else None
         policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
@@ -364,9 +367,11 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
     @override
     def teardown(self) -> None:
         """Make the module and its optimizers plain again (full parameters and per-parameter optimizer
-        states, gathered: call on every rank), then Fabric's own teardown."""
+        states, gathered: call on every rank; what would not fit stays sharded), then Fabric's own teardown."""
         if self._sharded is not None:
-            self._sharded.release()
+            kept = self._sharded.release()
+            if kept is not None:  # see [Note: what fits at the end] in engine/free_memory.py
+                rank_zero_warn(kept_sharded_text(kept, fabric=True))
             self._sharded = None
             self._steps = None
         if self._control is not None:  # see [Note: nothing outlives teardown] in engine/control.py

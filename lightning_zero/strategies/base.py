@@ -39,7 +39,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -58,9 +58,11 @@ from lightning_zero.engine.checkpoint import (
 from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.control import ControlChannel, PeerFailureError, abort_if_broken
 from lightning_zero.engine.files import find_checkpoint, remove_checkpoint
+from lightning_zero.engine.free_memory import kept_sharded_text
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.placeholder import has_hidden_parameters, refuse_module_sharded_elsewhere
 from lightning_zero.engine.process_exit import destroy_at_exit, mark_failed
 from lightning_zero.engine.sharded_model import check_offload_params
 from lightning_zero.strategies import agreement, checkpointing
@@ -338,32 +340,17 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
                     "SyncBatchNorm layers only work with GPU modules: Trainer(sync_batchnorm=True) converted the "
                     "BatchNorm layers, but this run is on the CPU. Use accelerator='gpu', or leave sync_batchnorm off."
                 )
-        built_on_meta = self._meta_init is not None and has_meta_tensors(self.model)
-        with record_meta_init(self.root_device, self._meta_init) if built_on_meta else nullcontext():
-            self.model = precision.convert_module(self.model)  # a cast of meta layers is replayed too
-        self.model_to_device()
-        policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
-        comm = Comm(checks=self.collective_checks, control=self._control, stage=self.stage)
-        agreement.agree_on_trainable_set(comm, self.model)
+        kept = self._sharded if self._sharded is not None and self._sharded.between_runs is not None else None
+        if kept is not None and kept.module is not self.model:
+            kept = self._sharded = None  # another module: the kept one stays as it is (its reads say why)
+        if kept is None:
+            refuse_module_sharded_elsewhere(self.model)
+            self._sharded = self._shard_model(precision)
+        else:  # kept sharded after the previous run (see ``teardown``): used as it is
+            kept.resume(self._control)
+            agreement.agree_on_trainable_set(kept.comm, self.model)
         self._steps = {}
         self._evaluation = None
-        self._sharded = ShardedModel(
-            self.model,
-            stage=self.stage,
-            comm=comm,
-            policy=policy,
-            broadcast_buffers=self.broadcast_buffers,
-            param_dtype=self.param_dtype or precision.default_param_dtype,
-            reduce_dtype=self.reduce_dtype,
-            offload_optimizer=self.offload_optimizer,
-            offload_params=self.offload_params,
-            device=self.root_device,
-            meta_init=self._meta_init,
-            prefetch=self.prefetch,
-            reshard_after_forward=self.reshard_after_forward,
-            bucket_numel=bucket_numel(self.bucket_size_mb, self.model),
-            shard_size=self.resolved_shard_size(),
-        )
         self._meta_init = None
         self._stats_logged_until = None
         precision.nonfinite_grads = self.nonfinite_grads
@@ -381,6 +368,33 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING and self.is_global_zero and log.isEnabledFor(logging.INFO):
             log.info("lightning_zero: model-state memory per rank\n%s", self.memory_report())
+
+    def _shard_model(self, precision: ZeROPrecision) -> ShardedModel:
+        assert self.model is not None
+        built_on_meta = self._meta_init is not None and has_meta_tensors(self.model)
+        with record_meta_init(self.root_device, self._meta_init) if built_on_meta else nullcontext():
+            self.model = precision.convert_module(self.model)  # a cast of meta layers is replayed too
+        self.model_to_device()
+        policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
+        comm = Comm(checks=self.collective_checks, control=self._control, stage=self.stage)
+        agreement.agree_on_trainable_set(comm, self.model)
+        return ShardedModel(
+            self.model,
+            stage=self.stage,
+            comm=comm,
+            policy=policy,
+            broadcast_buffers=self.broadcast_buffers,
+            param_dtype=self.param_dtype or precision.default_param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            offload_optimizer=self.offload_optimizer,
+            offload_params=self.offload_params,
+            device=self.root_device,
+            meta_init=self._meta_init,
+            prefetch=self.prefetch,
+            reshard_after_forward=self.reshard_after_forward,
+            bucket_numel=bucket_numel(self.bucket_size_mb, self.model),
+            shard_size=self.resolved_shard_size(),
+        )
 
     @override
     def model_to_device(self) -> None:
@@ -435,22 +449,27 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
                 if self._evaluation is not None:  # see [Note: uneven evaluation] in strategies/agreement.py
                     what += f", after this rank's {self._evaluation[1]} {self._evaluation[0]} batches"
                 self._sharded.comm.agree_event("teardown", lambda: f"teardown at the end of {what}")
-            self._sharded.release(gather=not self._failed)
-            self._sharded = None
+            kept = self._sharded.release(gather=not self._failed)
+            if kept is None:
+                self._sharded = None
+            else:  # see [Note: what fits at the end] in engine/free_memory.py
+                rank_zero_warn(kept_sharded_text(kept))
         if self._control is not None:  # see [Note: nothing outlives teardown] in engine/control.py
             self._control.close(destroy_group=not self._failed)
             self._control = None
         module = self._lightning_module
+        kept_sharded = self._sharded is not None
         if module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING:
-            if self._layer_sync and self.model is not None:
+            if self._layer_sync and self.model is not None and not kept_sharded:
                 self.model = self._layer_sync.revert(self.model)
         self._failed = False
         if isinstance(self._precision_plugin, ZeROPrecision):
             self._precision_plugin.attach(None)
         module = self._lightning_module
-        if module is not None and has_meta_tensors(module):
+        if module is not None and (kept_sharded or has_meta_tensors(module) or has_hidden_parameters(module)):
             # Refused at setup while still on the meta device: there is nothing to move to the CPU (and
-            # moving would fail, hiding the error that stopped the run).
+            # moving would fail, hiding the error that stopped the run). Sharded (kept after a run, here or by
+            # another strategy): moving would read it whole.
             self._lightning_module = None
             try:
                 super().teardown()
@@ -600,9 +619,10 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     def gathered_parameters(self, module: Module | None = None, writable: bool = True) -> AbstractContextManager:
         """A context in which the parameters of ``module`` (default: the whole ``LightningModule``) hold their full
         values, in the master dtype, as under ``DDPStrategy``; with ``writable`` (default), what user code writes
-        into them is kept. Outside a forward, stage-3 parameters are placeholders that read as NaN and refuse
-        writes (see ``docs/troubleshooting.md``). A collective: call it on every rank. Lightning's weight-averaging
-        callbacks get this automatically; ``module.state_dict()`` gathers by itself.
+        into them is kept. Outside a forward, a stage-3 parameter gathers its unit for each read and refuses
+        writes (see ``docs/troubleshooting.md``): this context gathers once and keeps writes. A collective: call
+        it on every rank. Lightning's weight-averaging callbacks get this automatically; ``module.state_dict()``
+        gathers by itself.
 
         Example::
 
