@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero import fabric  # registers "zero1", "zero2" and "zero3" with Fabric
 from lightning_zero.estimate import MemoryEstimate, StrategyEstimate, estimate_memory
 from lightning_zero.parity import ParityReport, check_parity
+from lightning_zero.pretrained import from_pretrained, load_weights
 from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
 from lightning_zero.strategies.checkpointing import consolidate as consolidate_checkpoint
 
@@ -37,6 +38,8 @@ __all__ = [
     "consolidate_checkpoint",
     "estimate_memory",
     "fabric",
+    "from_pretrained",
+    "load_weights",
 ]
 
 for _strategy, _name in ((ZeRO1Strategy, "zero1"), (ZeRO2Strategy, "zero2"), (ZeRO3Strategy, "zero3")):

@@ -524,6 +524,11 @@ _HOOKS = {
 }
 
 
+# What the gathers of ``state_dict()`` and of a parameter read are named (``ShardedUnit.full_flat``, ``read_values``).
+STATE_DICT_GATHER = "(state_dict())"
+PARAMETER_READ = "outside its forward)"
+
+
 def explain_texts(texts: list[str], stage: int | None = None) -> str:
     """Advice for a failed agreement, from what the ranks said they were doing; ``stage``: the ZeRO stage of the
     run, when known (the advice differs: stages 1 and 2 have no collective in forward)."""
@@ -531,6 +536,18 @@ def explain_texts(texts: list[str], stage: int | None = None) -> str:
     uneven = _uneven_evaluation(texts)
     if uneven is not None:
         advice.append(_uneven_advice(uneven, stage, any(SERVING in t for t in texts)))
+    elif any(STATE_DICT_GATHER in t for t in texts):
+        advice.append(
+            "module.state_dict() gathers the stage-3 parameters from every rank (and save_pretrained calls it): "
+            "call it on every rank, not under `if trainer.is_global_zero`; to write the files on one rank, call "
+            "model.save_pretrained(path, is_main_process=trainer.is_global_zero) on every rank."
+        )
+    elif any(PARAMETER_READ in t for t in texts):
+        advice.append(
+            "Reading a stage-3 parameter outside its module's forward gathers its unit from every rank: make the "
+            "read on every rank (not under `if trainer.is_global_zero`), or read inside "
+            "`with trainer.strategy.gathered_parameters(module):` on every rank."
+        )
     elif any(_COLLECTIVE_TEXT.match(t) for t in texts) and stage in (1, 2):
         advice.append(
             "Every rank must issue the same collectives in the same order. Under stages 1 and 2 the forward issues "

@@ -118,7 +118,7 @@ class StateDictGatherer:
                 unit, index = where
                 views = self._gathered.get(unit)
                 if views is None:
-                    views = self._gathered[unit] = unit.full_views(unit.full_flat())
+                    views = self._gathered[unit] = unit.full_views(unit.full_flat("state_dict()"))
                 state_dict[key] = views[index]
         finally:
             self._depth -= 1

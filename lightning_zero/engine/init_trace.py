@@ -116,6 +116,9 @@ class InitTrace:
     keepalive: dict[int, torch.Tensor] = field(default_factory=dict)  # one tensor per storage: no key is reused
     suppressed: int = 0  # > 0 inside an init call recorded whole: its ops are not recorded
     calls_observed: bool = True  # False: another profiler held sys.setprofile, init calls were not seen
+    # Parameters and buffers whose values come from weight files, read a shard at a time at setup instead of
+    # replayed (see [Note: reading weights by the slice] in weight_files.py): ``pretrained.WeightLoad``s.
+    weight_loads: list[Any] = field(default_factory=list)
 
     def add_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self.suppressed:
@@ -279,6 +282,35 @@ def set_generator_state(device: torch.device, state: torch.Tensor) -> None:
         torch.set_rng_state(state)
     else:
         torch.get_device_module(device).set_rng_state(state, device)
+
+
+_PLAIN_FROM_PRETRAINED = "with a meta device context manager"
+
+
+@contextmanager
+def refuse_plain_from_pretrained() -> Iterator[None]:
+    """Around a build on meta: transformers' ``from_pretrained`` refuses to run there; say what does instead."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "from_pretrained" not in str(error) or _PLAIN_FROM_PRETRAINED not in str(error):
+            raise
+        raise MetaInitError(
+            "transformers' from_pretrained cannot run while the model is built on the meta device (meta_init, the "
+            "stage-3 default, in configure_model or fabric.init_module()). Call "
+            "lightning_zero.from_pretrained(AutoModelForCausalLM, path, **kwargs) instead: it builds the model there "
+            "and each rank reads only its shards of the weights at setup (elsewhere it is the plain call)."
+        ) from error
+
+
+def active_recording() -> InitTrace | None:
+    """The trace of the ``record_meta_init`` in progress on this thread, if any (a model being built on meta)."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    for mode in reversed(_get_current_function_mode_stack()):
+        if isinstance(mode, _FunctionRecorder):
+            return mode.trace
+    return None
 
 
 @contextmanager

@@ -35,6 +35,7 @@ from lightning_zero.engine.materialize import has_meta_tensors, materialize_unit
 from lightning_zero.engine.mesh import ShardGroups, ShardSize, resolve_shard_size
 from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params, guard_sharded_state, is_param_shaped
 from lightning_zero.engine.param_checks import check_no_shared_memory, check_no_sparse_gradients, check_unit_params
+from lightning_zero.engine.pretrained import load_weight_shards
 from lightning_zero.engine.stage3 import Stage3Hooks
 from lightning_zero.engine.unit import ShardedUnit, UnitState
 
@@ -147,6 +148,9 @@ class ShardedModel:
             for index in range(len(plans)):
                 build(index, None)
         self.units = [u for u in units if u is not None]
+        if meta_init is not None and meta_init.weight_loads:  # see [Note: pretrained weights under meta init]
+            load_weight_shards(module, self.units, meta_init.weight_loads)
+            meta_init.weight_loads.clear()
         self.root_unit = next((u for u in self.units if u.name == ROOT_NAME), None)
         self._shard_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}
         self._param_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}

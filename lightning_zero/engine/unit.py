@@ -449,13 +449,26 @@ class ShardedUnit:
             self.wait_gather()
             return self.comm.all_gather(self.flat, self._gather_source(), name=self.name, async_op=async_op)
 
-    def full_flat(self) -> torch.Tensor:
-        """A full copy of the flat buffer in the master dtype, gathered (for state dicts)."""
+    def after_master_loaded(self) -> None:
+        """After this rank's master shard was written in place (pretrained weights, see [Note: pretrained weights
+        under meta init] in ``pretrained.py``): refresh the compute shard and, where the full parameters are kept
+        (stages 1 and 2), gather them again (a collective)."""
+        pending = self.gather_updated_shards()
+        if pending is not None:
+            pending.wait()
+        if not self._exposed:
+            self.record_hidden_versions()
+
+    def full_flat(self, purpose: str | None = None) -> torch.Tensor:
+        """A full copy of the flat buffer in the master dtype, gathered (for state dicts). With ``purpose`` (what
+        user code asked for: ``"state_dict()"``), the gather is named after it and agreed with the other ranks
+        outside steps, so a call on one rank only is reported as such (see ``control.explain_texts``)."""
         self._finish_gather()
         if self.state is UnitState.UNSHARDED and not self.separate_master:
             return self.flat.detach().clone()
         full = torch.empty(self.layout.padded_numel, dtype=self.master_dtype, device=self.device)
-        self.comm.all_gather(full, self.master.to(self.device), name=self.name)
+        name = self.name if purpose is None else f"{self.name} ({purpose})"
+        self.comm.all_gather(full, self.master.to(self.device), name=name, guard=purpose is not None)
         return full
 
     def load_full_flat(self, full: torch.Tensor) -> None:

@@ -55,7 +55,7 @@ from lightning_zero.engine import Comm, ShardedModel, module_class_policy
 from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.control import ControlChannel
 from lightning_zero.engine.free_memory import kept_sharded_text
-from lightning_zero.engine.init_trace import InitTrace, record_meta_init
+from lightning_zero.engine.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
 from lightning_zero.engine.placeholder import refuse_module_sharded_elsewhere
@@ -225,6 +225,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             stack.enter_context(self.root_device)
             stack.enter_context(self.precision.module_init_context())
             if self.meta_init and empty_init is not False:
+                stack.enter_context(refuse_plain_from_pretrained())
                 self._meta_init = stack.enter_context(record_meta_init(self.root_device))
             else:
                 stack.enter_context(_EmptyInit(enabled=bool(empty_init)))

@@ -59,7 +59,7 @@ from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.control import ControlChannel, PeerFailureError, abort_if_broken
 from lightning_zero.engine.files import find_checkpoint, remove_checkpoint
 from lightning_zero.engine.free_memory import kept_sharded_text
-from lightning_zero.engine.init_trace import InitTrace, record_meta_init
+from lightning_zero.engine.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
 from lightning_zero.engine.placeholder import has_hidden_parameters, refuse_module_sharded_elsewhere
@@ -410,7 +410,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         """Around ``configure_model``: with ``meta_init``, layers are created on the ``meta`` device (no
         memory) and materialized already sharded at setup, one unit at a time."""
         if self.meta_init:
-            with record_meta_init(self.root_device) as recording:
+            with refuse_plain_from_pretrained(), record_meta_init(self.root_device) as recording:
                 yield
             self._meta_init = recording
         else:

@@ -1,0 +1,141 @@
+"""Weights on disk, read a slice at a time: each rank reads the bytes of its own shards, never the whole file.
+
+[Note: reading weights by the slice]
+A pretrained checkpoint is as large as the model; a rank of a sharded run needs only its shard of
+each parameter (and the buffers, which every rank holds). ``WeightFiles`` opens what
+``save_pretrained``, ``torch.save`` and LitGPT write and reads element ranges of the flattened
+tensors:
+
+- **safetensors** (``model.safetensors``, or shards listed in ``model.safetensors.index.json``):
+  ``safe_open(...).get_slice(key)[a:b]`` reads rows ``a..b`` of the tensor and nothing else. The
+  element range ``[start, stop)`` of a tensor of shape ``(R, C, ...)`` lies in rows
+  ``start // row`` to ``(stop - 1) // row``; at most one partial row at each end is read beyond it.
+- **PyTorch files** (``pytorch_model.bin`` and its index, ``lit_model.pth``, any ``torch.save`` of a
+  state dict): ``torch.load(mmap=True, weights_only=True)`` maps the file, and slicing a tensor
+  touches only the pages of the slice.
+
+Bytes read per rank are then about the model's size divided by the number of ranks (its shards),
+plus the buffers. A file is opened once per ``WeightFiles`` and closed with it.
+
+Example::
+
+    files = WeightFiles.open("checkpoints/llama")     # a directory, or one file
+    files.shape("model.embed_tokens.weight")          # (32000, 4096)
+    files.read("model.embed_tokens.weight", 0, 4096)  # the first row, flattened
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+BIN_INDEX = "pytorch_model.bin.index.json"
+_SINGLE_FILES = ("model.safetensors", "pytorch_model.bin", "lit_model.pth")
+
+
+class WeightFiles:
+    """The tensors of a checkpoint on disk, by name, read by element range (see the note above)."""
+
+    def __init__(self, where: dict[str, Path]) -> None:
+        self._where = where  # tensor name -> the file that holds it
+        self._open: dict[Path, Any] = {}
+
+    @staticmethod
+    def open(path: str | Path) -> WeightFiles:
+        """The checkpoint at ``path``: a directory as ``save_pretrained`` writes it (sharded or not), or one
+        ``.safetensors`` / ``torch.save`` file."""
+        path = Path(path)
+        if path.is_file():
+            return WeightFiles({key: path for key in _keys_of(path)})
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"no checkpoint at {str(path)!r}: pass a local directory written by save_pretrained (download a hub "
+                "model first, e.g. with huggingface_hub.snapshot_download(repo_id)) or one .safetensors/.bin/.pth file"
+            )
+        for index in (SAFETENSORS_INDEX, BIN_INDEX):
+            if (path / index).is_file():
+                weight_map = json.loads((path / index).read_text())["weight_map"]
+                return WeightFiles({key: path / name for key, name in weight_map.items()})
+        for name in _SINGLE_FILES:
+            if (path / name).is_file():
+                return WeightFiles({key: path / name for key in _keys_of(path / name)})
+        raise FileNotFoundError(
+            f"{str(path)!r} holds no weights: expected {SAFETENSORS_INDEX}, {BIN_INDEX} or one of "
+            f"{', '.join(_SINGLE_FILES)}"
+        )
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        handle = self._handle(key)
+        if isinstance(handle, dict):
+            return tuple(handle[key].shape)
+        return tuple(handle.get_slice(key).get_shape())
+
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor ``key`` flattened, in its stored dtype (a new tensor)."""
+        handle = self._handle(key)
+        if isinstance(handle, dict):
+            return handle[key].reshape(-1)[start:stop].clone()
+        piece = handle.get_slice(key)
+        shape = piece.get_shape()
+        if not shape:
+            return handle.get_tensor(key).reshape(-1)[start:stop]
+        row = 1
+        for n in shape[1:]:
+            row *= n
+        if row == 0 or stop <= start:
+            return torch.empty(0, dtype=_safetensors_dtype(piece.get_dtype()))
+        first, last = start // row, (stop - 1) // row
+        rows = piece[first : last + 1]
+        return rows.reshape(-1)[start - first * row : stop - first * row].clone()
+
+    def read_whole(self, key: str) -> torch.Tensor:
+        """Tensor ``key`` whole (for buffers, which every rank holds)."""
+        handle = self._handle(key)
+        if isinstance(handle, dict):
+            return handle[key].clone()
+        return handle.get_tensor(key)
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def _handle(self, key: str) -> Any:
+        path = self._where[key]
+        handle = self._open.get(path)
+        if handle is None:
+            handle = self._open[path] = _open_file(path)
+        return handle
+
+
+def _open_file(path: Path) -> Any:
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        return safe_open(str(path), framework="pt", device="cpu")
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(
+            f"{str(path)!r} is not a state dict (a mapping of names to tensors); for a Lightning checkpoint, load "
+            "its 'state_dict' entry, or convert it with lightning_zero.consolidate_checkpoint first"
+        )
+    return state
+
+
+def _keys_of(path: Path) -> list[str]:
+    handle = _open_file(path)
+    return list(handle.keys())
+
+
+def _safetensors_dtype(name: str) -> torch.dtype:
+    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}.get(
+        name, torch.float32
+    )
