@@ -61,6 +61,19 @@ torch.manual_seed(7)
 PRETRAINED = nn.Linear(4, 3).state_dict()
 
 
+class SeedsInside(nn.Module):
+    """Seeds while it is built (as ``torch.manual_seed`` or ``L.seed_everything`` inside ``configure_model`` would):
+    the values drawn after the seed must be the seed's (see [Note: seeds while recording])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before = nn.Linear(4, 4)
+        torch.manual_seed(11)
+        self.after = nn.Linear(4, 4)
+        torch.set_rng_state(torch.Generator().manual_seed(5).get_state())  # a state made elsewhere
+        self.again = nn.Linear(3, 1)
+
+
 def loaded() -> nn.Module:
     model = nn.Linear(4, 3)
     model.load_state_dict(PRETRAINED)  # copies real tensors into meta ones: replayed
@@ -75,7 +88,9 @@ def _materialize(build: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("build", [Zoo, Cast, loaded], ids=["zoo", "cast", "load_state_dict"])
+@pytest.mark.parametrize(
+    "build", [Zoo, Cast, loaded, SeedsInside], ids=["zoo", "cast", "load_state_dict", "seeds_inside"]
+)
 def test_replay_equals_an_ordinary_construction(build: Callable[[], nn.Module]) -> None:
     torch.manual_seed(0)
     reference = build()
@@ -160,6 +175,11 @@ def test_what_cannot_be_replayed_is_refused_by_name() -> None:
     finally:
         sys.setprofile(None)
     with pytest.raises(MetaInitError, match=r"Another profiler held sys.setprofile"):
+        materialize_units(model, plan_units(model), torch.device("cpu"), 1, lambda i, full: None, trace)
+
+    with record_meta_init() as trace, torch.random.fork_rng():  # saves and restores the state: cannot be replayed
+        model = nn.Linear(4, 1)
+    with pytest.raises(MetaInitError, match=r"read the random generator's state \(torch.get_rng_state"):
         materialize_units(model, plan_units(model), torch.device("cpu"), 1, lambda i, full: None, trace)
 
     with torch.device("meta"):

@@ -560,7 +560,8 @@ def explain_texts(texts: list[str], stage: int | None = None) -> str:
             "Under stage 3 every rank must run the same submodules in the same order (a data-dependent branch, a "
             "mixture-of-experts layer, a forward under torch.no_grad() on some ranks only, or a generation loop "
             "that stops early on one rank breaks this). Run the same modules on every rank (e.g. call unused "
-            "experts on an empty batch), make the branch depend on all ranks, or use stage 1 or 2, which handle it."
+            "experts on an empty batch; for transformers' model.generate(...), pass synced_gpus=True), make the "
+            "branch depend on all ranks, or use stage 1 or 2, which handle it."
         )
     if any("save_checkpoint" in t for t in texts):
         advice.append(

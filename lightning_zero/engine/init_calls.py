@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from pathlib import Path
 from types import CodeType, FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,29 @@ from torch import nn
 
 if TYPE_CHECKING:
     from lightning_zero.engine.init_trace import InitTrace
+
+# [Note: seeds while recording]
+# Random ops on meta draw nothing, so the replay draws them all, from the generator's state when recording began.
+# A seed set while recording (``torch.manual_seed(0)`` or ``L.seed_everything`` inside ``configure_model``) would be
+# lost, and every value drawn after it would differ from an ordinary construction's: wrong values, silently. The
+# observer sees the generator methods that set a state return (``c_return`` events of ``manual_seed``,
+# ``set_state``, ``seed``) and records a step that sets the generator to the state it then has; the replay runs it in
+# order, like a random op.
+_SEEDING = {"manual_seed", "set_state", "seed"}
+# Reading the default generator's state while recording cannot work: meta draws do not advance it, so a state saved
+# and restored (``torch.random.fork_rng``) would send the replay back to the wrong point. Such a trace is refused.
+_ENGINE = str(Path(__file__).resolve().parent)
+
+
+def _is_default_generator(generator: torch.Generator) -> bool:
+    """Whether ``generator`` is its device's default generator (the one random ops use unless given another)."""
+    if generator is torch.default_generator:
+        return True
+    if generator.device.type == "cpu":
+        return False
+    module = torch.get_device_module(generator.device)
+    return any(generator is g for g in getattr(module, "default_generators", ()))
+
 
 # torch.nn.init functions that fill a tensor with constants: replayed only when their result is needed.
 _DETERMINISTIC = {"constant_", "ones_", "zeros_", "eye_", "dirac_"}
@@ -94,6 +118,17 @@ class InitCallObserver:
             model.initialize_weights()
 
     def _observe(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event in ("c_call", "c_return"):
+            owner = getattr(arg, "__self__", None)
+            if not isinstance(owner, torch.Generator):
+                return
+            name = getattr(arg, "__name__", None)
+            if event == "c_return" and name in _SEEDING:
+                self.trace.add_seed(owner)  # see [Note: seeds while recording]
+            elif event == "c_call" and name == "get_state" and not frame.f_code.co_filename.startswith(_ENGINE):
+                if owner.device.type == self.trace.device.type and _is_default_generator(owner):
+                    self.trace.generator_state_read = True
+            return
         if event == "return":
             if self._recording and frame is self._recording[-1]:
                 self._recording.pop()

@@ -116,6 +116,7 @@ class InitTrace:
     keepalive: dict[int, torch.Tensor] = field(default_factory=dict)  # one tensor per storage: no key is reused
     suppressed: int = 0  # > 0 inside an init call recorded whole: its ops are not recorded
     calls_observed: bool = True  # False: another profiler held sys.setprofile, init calls were not seen
+    generator_state_read: bool = False  # the default generator's state was read while recording (init_calls.py)
     # Parameters and buffers whose values come from weight files, read a shard at a time at setup instead of
     # replayed (see [Note: reading weights by the slice] in weight_files.py): ``pretrained.WeightLoad``s.
     weight_loads: list[Any] = field(default_factory=list)
@@ -173,6 +174,16 @@ class InitTrace:
                 real_inputs=_real_inputs(leaves),
             )
         )
+
+    def add_seed(self, generator: torch.Generator) -> None:
+        """``generator`` was seeded (``torch.manual_seed``, ``set_rng_state``, ``seed_everything``) while recording:
+        the replay sets it to the state it has now, at this point of the steps, so the random values drawn after it
+        are those an ordinary construction draws (see [Note: seeds while recording])."""
+        state = generator.get_state()
+        if generator.device == self.device or (generator.device.type == self.device.type == "cpu"):
+            self.steps.append(InitStep(set_generator_state, (TARGET_DEVICE, state), {}, [], [], [], random=True))
+        else:
+            self.steps.append(InitStep(torch.Generator.set_state, (generator, state), {}, [], [], [], random=True))
 
     def add_constant(self, meta: torch.Tensor, value: torch.Tensor) -> None:
         self._see([meta])

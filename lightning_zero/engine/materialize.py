@@ -130,6 +130,14 @@ def materialize_units(
             "[Note: init calls on meta] in lightning_zero/engine/init_calls.py). Start the profiler after setup, "
             "or pass meta_init=False."
         )
+    if trace.generator_state_read:
+        raise MetaInitError(
+            "configure_model read the random generator's state (torch.get_rng_state, torch.random.fork_rng) while the "
+            "model was built on the meta device (meta_init, the stage-3 default). Random values are not drawn there, "
+            "so that state is not the one an ordinary construction sees, and values drawn after restoring it would "
+            "differ. Seed with torch.manual_seed(...) instead of saving and restoring the state, build the model in "
+            "__init__, or pass meta_init=False."
+        )
     missing = uninitialized_library_modules(module)
     if missing:
         raise MetaInitError(
