@@ -142,9 +142,33 @@ def _fabric_and_load_weights(rank: int, world_size: int, path: str, state: str) 
     net = fabric.setup(net)
     saved = torch.load(state, weights_only=True)
     assert all(torch.equal(net.state_dict()[k], v) for k, v in saved.items())
+    # LitGPT's pretraining flow: its initialize_weights after the init_module block wrote on meta and did nothing;
+    # refused, saying where the call goes. Inside the block it gives an ordinary construction's values.
+    from litgpt import GPT, Config
+    from litgpt.pretrain import initialize_weights
+
+    config = Config(n_layer=2, n_embd=32, n_head=4, padded_vocab_size=64, block_size=8)
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy="zero3")
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        gpt = GPT(config)
+    initialize_weights(fabric, gpt, n_layer=2, n_embd=32)
+    with pytest.raises(MetaInitError, match=r"LitGPT: call initialize_weights\(fabric, model, \.\.\.\) there"):
+        fabric.setup(gpt)
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy="zero3")
+    fabric.launch()
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        gpt = GPT(config)
+        initialize_weights(fabric, gpt, n_layer=2, n_embd=32)
+    gpt = fabric.setup(gpt)
+    torch.manual_seed(0)
+    reference = GPT(config)
+    initialize_weights(fabric, reference, n_layer=2, n_embd=32)
+    assert all(torch.equal(gpt.state_dict()[k], v) for k, v in reference.state_dict().items())
 
 
-def test_from_pretrained_and_load_weights_under_fabric(pretrained: dict[str, str], tmp_path: Path) -> None:
+def test_from_pretrained_load_weights_and_litgpt_init_under_fabric(pretrained: dict[str, str], tmp_path: Path) -> None:
     torch.manual_seed(5)
     state = tmp_path / "net.pth"
     torch.save(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).state_dict(), state)

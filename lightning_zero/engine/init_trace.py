@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -117,6 +118,9 @@ class InitTrace:
     suppressed: int = 0  # > 0 inside an init call recorded whole: its ops are not recorded
     calls_observed: bool = True  # False: another profiler held sys.setprofile, init calls were not seen
     generator_state_read: bool = False  # the default generator's state was read while recording (init_calls.py)
+    # Each meta tensor an op saw, with its version counter after the op: a later in-place write (after the build
+    # ended, where it is not recorded) shows as a higher version at setup (``changed_after_recording``).
+    versions: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
     # Parameters and buffers whose values come from weight files, read a shard at a time at setup instead of
     # replayed (see [Note: reading weights by the slice] in weight_files.py): ``pretrained.WeightLoad``s.
     weight_loads: list[Any] = field(default_factory=list)
@@ -184,6 +188,30 @@ class InitTrace:
             self.steps.append(InitStep(set_generator_state, (TARGET_DEVICE, state), {}, [], [], [], random=True))
         else:
             self.steps.append(InitStep(torch.Generator.set_state, (generator, state), {}, [], [], [], random=True))
+
+    def note_versions(self, leaves: list[Any]) -> None:
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+                self.versions[id(leaf)] = (weakref.ref(leaf), leaf._version)
+
+    def changed_after_recording(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """The names of ``tensors`` (meta parameters and buffers of the model) written in place since the recording
+        last saw them: after the build ended, where nothing is recorded."""
+        changed = []
+        for name, tensor in tensors.items():
+            seen = self.versions.get(id(tensor))
+            if seen is not None and seen[0]() is tensor and tensor._version != seen[1]:
+                changed.append(name)
+        return changed
+
+    def end_of_recording(self) -> None:
+        """The versions as the build leaves them (a write through a view during the build bumps its base's too)."""
+        for key, (ref, _) in list(self.versions.items()):
+            tensor = ref()
+            if tensor is None:
+                del self.versions[key]
+            else:
+                self.versions[key] = (ref, tensor._version)
 
     def add_constant(self, meta: torch.Tensor, value: torch.Tensor) -> None:
         self._see([meta])
@@ -272,6 +300,7 @@ class _FunctionRecorder(TorchFunctionMode):
             with self:  # this mode is off while it handles a call: on again for what the initialization calls
                 self.observer.run_pending()
         out = func(*args, **kwargs)
+        self.trace.note_versions(tree_flatten((args, kwargs))[0])
         if (
             func in _DATA_CONSTRUCTORS
             and isinstance(out, torch.Tensor)
@@ -342,3 +371,4 @@ def record_meta_init(device: torch.device | None = None, trace: InitTrace | None
         stack.enter_context(_OpRecorder(trace))
         stack.enter_context(observer)
         yield trace
+    trace.end_of_recording()

@@ -130,6 +130,19 @@ def materialize_units(
             "[Note: init calls on meta] in lightning_zero/engine/init_calls.py). Start the profiler after setup, "
             "or pass meta_init=False."
         )
+    metas = {
+        name: t for name, t in [*module.named_parameters(), *module.named_buffers()] if t is not None and t.is_meta
+    }
+    changed = trace.changed_after_recording(metas)
+    if changed:
+        raise MetaInitError(
+            f"{len(changed)} tensor(s) built on the meta device were written after the build ended (after "
+            f"configure_model returned, or after the `with fabric.init_module():` block): {', '.join(changed[:8])}. "
+            "On the meta device such writes do nothing and are not recorded, so the model would start from other "
+            "values than that code gives. Move the initialization into configure_model, or inside the "
+            "`with fabric.init_module():` block (LitGPT: call initialize_weights(fabric, model, ...) there), or pass "
+            "meta_init=False."
+        )
     if trace.generator_state_read:
         raise MetaInitError(
             "configure_model read the random generator's state (torch.get_rng_state, torch.random.fork_rng) while the "
@@ -188,9 +201,11 @@ class _Replay:
         unknown += ["a tensor they were computed from"] * len(unknown_keys - set(names))
         if unknown:
             raise MetaInitError(
-                f"{len(unknown)} tensor(s) were on the meta device before meta_init began recording, or were made by "
-                f"code that bypasses the dispatcher, so their values are unknown: {', '.join(unknown[:8])}. Create "
-                "them inside configure_model (not in __init__ under torch.device('meta')), or pass meta_init=False."
+                f"{len(unknown)} tensor(s) were on the meta device before meta_init began recording, were made on it "
+                "after the build ended (after configure_model, or after the `with fabric.init_module():` block), or "
+                f"were made by code that bypasses the dispatcher, so their values are unknown: {', '.join(unknown[:8])}"
+                ". Create them inside configure_model or the init_module block (not in __init__ under "
+                "torch.device('meta')), or pass meta_init=False."
             )
         self.bound = {
             key
