@@ -526,6 +526,7 @@ _HOOKS = {
 
 # What the gathers of ``state_dict()`` and of a parameter read are named (``ShardedUnit.full_flat``, ``read_values``).
 STATE_DICT_GATHER = "(state_dict())"
+EXPORT_GATHER = "(save_pretrained())"
 PARAMETER_READ = "outside its forward)"
 
 
@@ -536,6 +537,11 @@ def explain_texts(texts: list[str], stage: int | None = None) -> str:
     uneven = _uneven_evaluation(texts)
     if uneven is not None:
         advice.append(_uneven_advice(uneven, stage, any(SERVING in t for t in texts)))
+    elif any(EXPORT_GATHER in t for t in texts):
+        advice.append(
+            "strategy.save_pretrained(module, path) is a collective under lightning_zero (every rank gathers the "
+            "units and writes its own file): call it on every rank, not under `if trainer.is_global_zero`."
+        )
     elif any(STATE_DICT_GATHER in t for t in texts):
         advice.append(
             "module.state_dict() gathers the stage-3 parameters from every rank (and save_pretrained calls it): "

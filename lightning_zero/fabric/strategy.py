@@ -55,6 +55,7 @@ from lightning_zero.engine import Comm, ShardedModel, module_class_policy
 from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.control import ControlChannel
 from lightning_zero.engine.free_memory import kept_sharded_text
+from lightning_zero.engine.hf_export import write_hf_checkpoint
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
@@ -364,6 +365,23 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The global norm of ``optimizer``'s (sharded) gradients, the same on every rank; a collective."""
         return self.sharded_model.grad_norm(getattr(optimizer, "optimizer", optimizer), norm_type)
+
+    def save_pretrained(self, module: Module, path: str | Path) -> None:
+        """Write ``module`` (a transformers model, or a part of the model set up) to ``path`` as a Hugging Face
+        checkpoint, every rank writing its own file (see ``ZeROStrategy.save_pretrained``). A collective.
+
+        Example::
+
+            fabric.strategy.save_pretrained(model, "finetuned")
+        """
+        module = getattr(module, "_original_module", module)  # a module returned by fabric.setup
+        if self._sharded is None:
+            if self.is_global_zero:
+                module.save_pretrained(path)
+            self.barrier("save_pretrained")
+            return
+        write_hf_checkpoint(self._sharded.module, self._sharded.units, module, path, self.global_rank, self.world_size)
+        self.barrier("save_pretrained")
 
     @override
     def teardown(self) -> None:

@@ -59,6 +59,7 @@ from lightning_zero.engine.comm import CollectiveChecks
 from lightning_zero.engine.control import ControlChannel, PeerFailureError, abort_if_broken
 from lightning_zero.engine.files import find_checkpoint, remove_checkpoint
 from lightning_zero.engine.free_memory import kept_sharded_text
+from lightning_zero.engine.hf_export import write_hf_checkpoint
 from lightning_zero.engine.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
 from lightning_zero.engine.materialize import has_meta_tensors
 from lightning_zero.engine.mesh import ShardSize, check_shard_size
@@ -707,6 +708,26 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         if self._sharded is None:
             return super().lightning_module_state_dict()
         return self._sharded.full_state_dict()
+
+    def save_pretrained(self, module: Module, path: str | Path) -> None:
+        """Write ``module`` (the transformers model the ``LightningModule`` holds, or any part of it) to the directory
+        ``path`` as a Hugging Face checkpoint that plain ``from_pretrained`` loads: sharded safetensors with their
+        index and the model's ``config.json``, each rank writing the tensors dealt to it, never the whole model on
+        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/hf_export.py``). A collective: call it
+        on every rank. When the module is not sharded (after ``fit``), rank 0 calls ``module.save_pretrained(path)``.
+
+        Example::
+
+            def on_train_end(self):
+                self.trainer.strategy.save_pretrained(self.model, "finetuned")
+        """
+        if self._sharded is None:
+            if self.is_global_zero:
+                module.save_pretrained(path)
+            self.barrier("save_pretrained")
+            return
+        write_hf_checkpoint(self.model, self._sharded.units, module, path, self.global_rank, self.world_size)
+        self.barrier("save_pretrained")
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
