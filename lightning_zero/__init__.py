@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_zero import fabric  # registers "zero1", "zero2" and "zero3" with Fabric
 from lightning_zero.estimate import MemoryEstimate, StrategyEstimate, estimate_memory
 from lightning_zero.parity import ParityReport, check_parity
-from lightning_zero.pretrained import from_pretrained, load_weights
+from lightning_zero.pretrained import export_pretrained, from_pretrained, load_weights
 from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
 from lightning_zero.strategies.checkpointing import consolidate as consolidate_checkpoint
 
@@ -37,6 +37,7 @@ __all__ = [
     "check_parity",
     "consolidate_checkpoint",
     "estimate_memory",
+    "export_pretrained",
     "fabric",
     "from_pretrained",
     "load_weights",

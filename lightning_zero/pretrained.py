@@ -100,8 +100,68 @@ def load_weights(module: nn.Module, path: str | Path) -> nn.Module:
         trace.weight_loads.append(load)
         return module
     try:
-        state = {name: files.read_whole(key) for name, key in {**load.keys, **load.buffers}.items()}
+        names = {id(t): name for name, t in [*module.named_parameters(), *module.named_buffers()]}
+        entries = [*load.params.items(), *load.buffers.items()]
+        state = {names[ident]: files.read_whole(key) for ident, (_, key) in entries if ident in names}
         module.load_state_dict(state, strict=False)
     finally:
         files.close()
     return module
+
+
+def export_pretrained(
+    checkpoint: str | Path, output: str | Path, config: str | Path | Any, model_class: Any = None
+) -> Path:
+    """Convert a training checkpoint (a sharded directory or a full file, from any stage and world size) into a
+    Hugging Face checkpoint in the directory ``output``, offline, on one process: ``model.safetensors`` and the
+    model's ``config.json``, which plain ``from_pretrained`` loads.
+
+    ``config``: the model's config, or where to read it (the directory it was fine-tuned from);
+    ``model_class``: the transformers class whose parameter names the files must use (default
+    ``AutoModelForCausalLM``). The ``LightningModule``'s attribute prefix (``model.``) is found and removed, and a
+    weight tied to another is stored once, as ``save_pretrained`` stores it.
+
+    Example::
+
+        lightning_zero.export_pretrained("runs/last.ckpt", "finetuned", config="checkpoints/llama")
+        AutoModelForCausalLM.from_pretrained("finetuned")
+    """
+    import torch
+    import transformers
+
+    from lightning_zero.strategies.checkpointing import consolidate, save_safetensors
+
+    model_class = model_class or transformers.AutoModelForCausalLM
+    if not isinstance(config, transformers.PretrainedConfig):
+        config = transformers.AutoConfig.from_pretrained(config)
+    with torch.device("meta"):
+        skeleton = model_class.from_config(config) if hasattr(model_class, "from_config") else model_class(config)
+    tied = set(getattr(skeleton, "_tied_weights_keys", None) or [])
+    groups: dict[int, list[str]] = {}
+    for name, param in skeleton.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    stored = [next((n for n in names if n not in tied), names[0]) for names in groups.values()]
+    buffers = [name for name in skeleton.state_dict() if name not in {n for g in groups.values() for n in g}]
+    state = consolidate(checkpoint)["state_dict"]
+    prefix = _prefix_for(state, stored)
+    missing = [name for name in stored if prefix + name not in state]
+    if missing:
+        raise KeyError(
+            f"the checkpoint has no {missing[0]!r} (under the prefix {prefix!r}) for {type(skeleton).__name__}: pass "
+            "the config of the model that was trained, and its class as model_class"
+        )
+    tensors = {name: state[prefix + name] for name in stored}
+    tensors.update({name: state[prefix + name] for name in buffers if prefix + name in state})
+    output = Path(output)
+    save_safetensors(tensors, output / "model.safetensors")
+    config.save_pretrained(output)
+    return output
+
+
+def _prefix_for(state: dict[str, Any], names: list[str]) -> str:
+    """The prefix under which the ``LightningModule``'s checkpoint holds the model's ``names`` (``"model."``)."""
+    first = names[0]
+    for key in state:
+        if key.endswith(first) and all(key[: len(key) - len(first)] + n in state for n in names):
+            return key[: len(key) - len(first)]
+    raise KeyError(f"the checkpoint holds no model whose parameters include {first!r} (keys: {list(state)[:3]} ...)")

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_zero
+from lightning_zero import ZeRO3Strategy
 from tests.distributed import spawn
 from tests.models import quiet_trainer
 from tests.real_models import build, dataset, logits
@@ -25,9 +26,9 @@ PROMPT = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2)
 
 
 class Export(L.LightningModule):
-    def __init__(self, name: str, path: str, out: str) -> None:
+    def __init__(self, name: str, path: str, out: str, ckpt: str | None = None) -> None:
         super().__init__()
-        self.name, self.path, self.out = name, path, out
+        self.name, self.path, self.out, self.ckpt = name, path, out, ckpt
         self.trained: dict[str, torch.Tensor] = {}
 
     def configure_model(self) -> None:
@@ -40,6 +41,8 @@ class Export(L.LightningModule):
 
     def on_train_end(self) -> None:
         self.trainer.strategy.save_pretrained(self.model, self.out)  # on every rank: each writes its file
+        if self.ckpt is not None:  # a training checkpoint, for the offline conversion
+            self.trainer.save_checkpoint(self.ckpt)
         self.trained = {k: v.clone() for k, v in self.model.state_dict().items()}
         with torch.no_grad():  # the sharded model's own forward (under stage 3 it gathers each unit)
             self.trained["<logits>"] = self.model(PROMPT).logits
@@ -55,8 +58,10 @@ def _export(rank: int, world_size: int, paths: dict[str, str], root: str) -> dic
     trained = {}
     for name, path in paths.items():
         for strategy in ("zero2", "zero3"):
-            module = Export(name, path, f"{root}/{name}-{strategy}")
-            quiet_trainer(strategy=strategy, devices=world_size, max_steps=3).fit(module)
+            ckpt = f"{root}/{name}-{strategy}-sharded.ckpt" if strategy == "zero3" else None
+            module = Export(name, path, f"{root}/{name}-{strategy}", ckpt=ckpt)
+            chosen = ZeRO3Strategy(checkpoint_format="sharded") if strategy == "zero3" else strategy
+            quiet_trainer(strategy=chosen, devices=world_size, max_steps=3).fit(module)
             trained[f"{name}-{strategy}"] = module.trained
     fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy="zero3")
     fabric.launch()
@@ -77,6 +82,13 @@ def test_export_as_a_hugging_face_checkpoint_from_every_rank(tmp_path: Path) -> 
         build(name, layers=3).save_pretrained(tmp_path / name)
         paths[name] = str(tmp_path / name)
     results = spawn(_export, world_size=2, timeout=600, paths=paths, root=str(tmp_path))
+    for name in paths:  # offline, on this process: a sharded training checkpoint into a Hugging Face one
+        trained = {k: v for k, v in results[0][f"{name}-zero3"].items() if k != "<logits>"}
+        out = lightning_zero.export_pretrained(
+            tmp_path / f"{name}-zero3-sharded.ckpt", tmp_path / f"{name}-offline", config=paths[name]
+        )
+        state = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+        assert set(state) == set(trained) and all(torch.equal(state[k], v) for k, v in trained.items()), name
     for key, trained in results[0].items():
         expected_logits = trained.pop("<logits>")
         out = tmp_path / key

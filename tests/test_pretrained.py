@@ -24,16 +24,24 @@ from tests.models import quiet_trainer
 from tests.real_models import build, dataset, logits
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("peft")
 
 
 class FineTune(L.LightningModule):
     """Fine-tunes the model saved at ``path``, loaded in ``configure_model`` (``plain``: by transformers' own call)."""
 
     def __init__(
-        self, name: str, path: str, plain: bool = False, export: str | None = None, rank0_export: bool = False
+        self,
+        name: str,
+        path: str,
+        plain: bool = False,
+        export: str | None = None,
+        rank0_export: bool = False,
+        lora: bool = False,
     ) -> None:
         super().__init__()
         self.name, self.path, self.plain, self.export, self.rank0_export = name, path, plain, export, rank0_export
+        self.lora = lora
         self.model: nn.Module | None = None
         self.loaded: dict[str, torch.Tensor] = {}
 
@@ -44,6 +52,11 @@ class FineTune(L.LightningModule):
                 self.model = load(self.path)
             else:
                 self.model = lightning_zero.from_pretrained(transformers.AutoModelForCausalLM, self.path)
+            if self.lora:  # peft moves each adapted weight under base_layer: the load follows the tensors
+                import peft
+
+                config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+                self.model = peft.get_peft_model(self.model, config)
 
     def on_fit_start(self) -> None:
         self.loaded = {k: v.clone() for k, v in self.model.state_dict().items()}  # gathers, on every rank
@@ -68,10 +81,10 @@ class FineTune(L.LightningModule):
 
 
 def _fit(
-    name: str, path: str, strategy: str, export: str | None = None
+    name: str, path: str, strategy: str, export: str | None = None, lora: bool = False
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     L.seed_everything(7, verbose=False)
-    module = FineTune(name, path, export=export)
+    module = FineTune(name, path, export=export, lora=lora)
     quiet_trainer(strategy=strategy, devices=2, max_steps=10).fit(module)
     return module.loaded, {k: v.clone() for k, v in module.model.state_dict().items()}
 
@@ -96,6 +109,13 @@ def _trainer_cases(rank: int, world_size: int, paths: dict[str, str]) -> None:
             torch.distributed.barrier()
             reloaded = transformers.AutoModelForCausalLM.from_pretrained(export).state_dict()
             assert all(torch.equal(reloaded[k], v) for k, v in end.items()), (name, strategy, "exported")
+    # LoRA with peft on the loaded model: only the adapters train, bitwise as under DDP.
+    start, end = _fit("llama", paths["llama"], "ddp", lora=True)
+    for strategy in ("zero2", "zero3"):
+        loaded, trained = _fit("llama", paths["llama"], strategy, lora=True)
+        assert all(torch.equal(loaded[k], v) for k, v in start.items()), (strategy, "lora loaded")
+        assert all(torch.equal(trained[k], v) for k, v in end.items()), (strategy, "lora trained")
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in end.items())  # the adapters did train
     # transformers' own call cannot run on meta: the error names the function that does.
     module = FineTune("llama", paths["llama"], plain=True)
     with pytest.raises(MetaInitError, match=r"lightning_zero\.from_pretrained\(AutoModelForCausalLM, path"):

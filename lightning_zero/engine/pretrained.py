@@ -16,7 +16,12 @@ about its share of the file; the values are the file's, cast to the parameter's 
 
 The checks run when the load is recorded, on every rank alike: every parameter must be found in the
 files (under its own name, any name it is tied under, or with the model's ``base_model_prefix``
-added or removed, as transformers maps them), with the same shape.
+added or removed, as transformers maps them), with the same shape. A load refers to the parameter
+and buffer *objects* (the meta tensors), not to their names, because code after the load may move
+them in the module tree: peft's ``get_peft_model`` puts a LoRA layer's original weight under
+``...q_proj.base_layer.weight``. Their names are resolved when setup begins (``resolve_weight_loads``,
+before the replay gives the module its real tensors), and a loaded tensor that is no longer part of
+the model is an error, never a silent skip.
 """
 
 from __future__ import annotations
@@ -33,12 +38,21 @@ from lightning_zero.engine.weight_files import WeightFiles
 
 @dataclass
 class WeightLoad:
-    """Where the values of one module's parameters and buffers are (names relative to ``module``)."""
+    """Where the values of some meta parameters and buffers are: tensor objects (kept alive) -> names in ``files``."""
 
-    module: nn.Module
     files: WeightFiles
-    keys: dict[str, str]  # every name of a parameter (tied ones included) -> its tensor in ``files``
-    buffers: dict[str, str] = field(default_factory=dict)  # a persistent buffer's name -> its tensor
+    params: dict[int, tuple[torch.Tensor, str]]  # id(parameter) -> (the parameter, its tensor in ``files``)
+    buffers: dict[int, tuple[torch.Tensor, str]] = field(default_factory=dict)
+    source: str = ""
+
+
+@dataclass
+class ResolvedLoads:
+    """The loads of a model being set up, by the names its units know (``resolve_weight_loads``)."""
+
+    params: dict[str, tuple[WeightFiles, str]]  # a qualified parameter name (every alias) -> where its values are
+    buffers: list[tuple[nn.Module, str, WeightFiles, str]]  # (module, buffer name, files, tensor)
+    files: list[WeightFiles]
 
 
 def plan_weight_load(module: nn.Module, files: WeightFiles, prefix: str = "", source: str = "") -> WeightLoad:
@@ -55,23 +69,22 @@ def plan_weight_load(module: nn.Module, files: WeightFiles, prefix: str = "", so
         return names
 
     aliases: dict[int, list[str]] = {}
-    shapes: dict[int, tuple[int, ...]] = {}
+    tensors: dict[int, torch.Tensor] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
-        shapes[id(param)] = tuple(param.shape)
-    keys: dict[str, str] = {}
+        tensors[id(param)] = param
+    params: dict[int, tuple[torch.Tensor, str]] = {}
     missing, wrong = [], []
     for ident, names in aliases.items():
         key = next((k for n in names for k in candidates(n) if k in files), None)
+        shape = tuple(tensors[ident].shape)
         if key is None:
             missing.append(names[0])
-            continue
-        if files.shape(key) != shapes[ident]:
-            wrong.append(f"{names[0]} (the file's {key!r} has shape {files.shape(key)}, the model's {shapes[ident]})")
-            continue
-        for name in names:
-            keys[name] = key
-    buffers: dict[str, str] = {}
+        elif files.shape(key) != shape:
+            wrong.append(f"{names[0]} (the file's {key!r} has shape {files.shape(key)}, the model's {shape})")
+        else:
+            params[ident] = (tensors[ident], key)
+    buffers: dict[int, tuple[torch.Tensor, str]] = {}
     for mod_name, mod in module.named_modules():
         for name, buf in mod._buffers.items():
             if buf is None or name in mod._non_persistent_buffers_set:
@@ -79,7 +92,7 @@ def plan_weight_load(module: nn.Module, files: WeightFiles, prefix: str = "", so
             full = f"{mod_name}.{name}" if mod_name else name
             key = next((k for k in candidates(full) if k in files), None)
             if key is not None:
-                buffers[full] = key
+                buffers[id(buf)] = (buf, key)
     where = f" of {source}" if source else ""
     if wrong:
         raise MetaInitError(f"{len(wrong)} parameter(s) do not match the weights{where}: {'; '.join(wrong[:4])}")
@@ -89,29 +102,45 @@ def plan_weight_load(module: nn.Module, files: WeightFiles, prefix: str = "", so
             "sharded from its files needs every parameter there; build new layers (a new head) next to the loaded "
             "model in configure_model instead of inside it, where they are initialized as usual."
         )
-    return WeightLoad(module, files, keys, buffers)
+    return WeightLoad(files, params, buffers, source)
 
 
-def load_weight_shards(root: nn.Module, units: list[ShardedUnit], loads: list[WeightLoad]) -> None:
-    """Fill every unit's master shard (this rank's) from the files of ``loads`` (see the note above). A collective
-    under stages 1 and 2 (the full parameters are gathered again); the same order of reads on every rank."""
-    names = {id(mod): name for name, mod in root.named_modules()}
-    by_name: dict[str, tuple[WeightFiles, str]] = {}
+def resolve_weight_loads(root: nn.Module, loads: list[WeightLoad]) -> ResolvedLoads:
+    """The names, in ``root`` as it is now, of every tensor ``loads`` fill (call before the replay replaces the meta
+    tensors); raise if one is no longer part of ``root``."""
+    names: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    owners: dict[int, tuple[nn.Module, str]] = {}
+    for mod in root.modules():
+        for name, buf in mod._buffers.items():
+            if buf is not None:
+                owners.setdefault(id(buf), (mod, name))
+    params: dict[str, tuple[WeightFiles, str]] = {}
     buffers: list[tuple[nn.Module, str, WeightFiles, str]] = []
     for load in loads:
-        if id(load.module) not in names:
+        lost = [key for ident, (_, key) in load.params.items() if ident not in names]
+        lost += [key for ident, (_, key) in load.buffers.items() if ident not in owners]
+        if lost:
             raise MetaInitError(
-                f"the {type(load.module).__name__} loaded from pretrained weights in configure_model is not part of "
-                "the model being set up: assign it to an attribute of the LightningModule (self.model = ...)"
+                f"{len(lost)} tensor(s) loaded from {load.source or 'weight files'} in configure_model are no longer "
+                f"part of the model being set up (e.g. the one for {lost[0]!r}): they were replaced after the load. "
+                "Assign the loaded model to an attribute of the LightningModule (self.model = ...), and replace its "
+                "layers before loading, not after."
             )
-        base = names[id(load.module)]
-        prefix = f"{base}." if base else ""
-        for name, key in load.keys.items():
-            by_name[prefix + name] = (load.files, key)
-        modules = dict(load.module.named_modules())
-        for name, key in load.buffers.items():
-            mod_name, _, buf_name = name.rpartition(".")
-            buffers.append((modules[mod_name], buf_name, load.files, key))
+        for ident, (_, key) in load.params.items():
+            for name in names[ident]:
+                params[name] = (load.files, key)
+        for ident, (_, key) in load.buffers.items():
+            mod, name = owners[ident]
+            buffers.append((mod, name, load.files, key))
+    return ResolvedLoads(params, buffers, [load.files for load in loads])
+
+
+def load_weight_shards(units: list[ShardedUnit], loads: ResolvedLoads) -> None:
+    """Fill every unit's master shard (this rank's) from the files of ``loads`` (see the note above). A collective
+    under stages 1 and 2 (the full parameters are gathered again); the same order of reads on every rank."""
+    by_name = loads.params
     with torch.no_grad():
         for unit in units:
             if not any(name in by_name for name in unit.param_names):
@@ -125,7 +154,7 @@ def load_weight_shards(root: nn.Module, units: list[ShardedUnit], loads: list[We
                 values = files.read(key, piece.param_offset, piece.param_offset + piece.numel)
                 unit.master[piece.shard_offset : piece.shard_offset + piece.numel].copy_(values)
             unit.after_master_loaded()
-        for mod, name, files, key in buffers:
+        for mod, name, files, key in loads.buffers:
             mod._buffers[name].copy_(files.read_whole(key))
-    for load in loads:
-        load.files.close()
+    for files in loads.files:
+        files.close()

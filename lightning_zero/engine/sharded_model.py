@@ -35,7 +35,7 @@ from lightning_zero.engine.materialize import has_meta_tensors, materialize_unit
 from lightning_zero.engine.mesh import ShardGroups, ShardSize, resolve_shard_size
 from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params, guard_sharded_state, is_param_shaped
 from lightning_zero.engine.param_checks import check_no_shared_memory, check_no_sparse_gradients, check_unit_params
-from lightning_zero.engine.pretrained import load_weight_shards
+from lightning_zero.engine.pretrained import load_weight_shards, resolve_weight_loads
 from lightning_zero.engine.stage3 import Stage3Hooks
 from lightning_zero.engine.unit import ShardedUnit, UnitState
 
@@ -142,14 +142,16 @@ class ShardedModel:
                 offload_params=offload_params,
             )
 
+        # See [Note: pretrained weights under meta init] in pretrained.py: names resolved before the replay.
+        loads = resolve_weight_loads(module, meta_init.weight_loads) if meta_init and meta_init.weight_loads else None
         if has_meta_tensors(module):
             materialize_units(module, plans, device or torch.device("cpu"), size, build, meta_init)
         else:
             for index in range(len(plans)):
                 build(index, None)
         self.units = [u for u in units if u is not None]
-        if meta_init is not None and meta_init.weight_loads:  # see [Note: pretrained weights under meta init]
-            load_weight_shards(module, self.units, meta_init.weight_loads)
+        if loads is not None:
+            load_weight_shards(self.units, loads)
             meta_init.weight_loads.clear()
         self.root_unit = next((u for u in self.units if u.name == ROOT_NAME), None)
         self._shard_of: dict[nn.Parameter, tuple[nn.Parameter, ParamShard]] = {}

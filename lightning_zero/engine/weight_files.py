@@ -6,10 +6,10 @@ each parameter (and the buffers, which every rank holds). ``WeightFiles`` opens 
 ``save_pretrained``, ``torch.save`` and LitGPT write and reads element ranges of the flattened
 tensors:
 
-- **safetensors** (``model.safetensors``, or shards listed in ``model.safetensors.index.json``):
-  ``safe_open(...).get_slice(key)[a:b]`` reads rows ``a..b`` of the tensor and nothing else. The
-  element range ``[start, stop)`` of a tensor of shape ``(R, C, ...)`` lies in rows
-  ``start // row`` to ``(stop - 1) // row``; at most one partial row at each end is read beyond it.
+- **safetensors** (``model.safetensors``, or shards listed in ``model.safetensors.index.json``): a
+  tensor is stored contiguously, so the element range ``[start, stop)`` of its flattened form is one
+  byte range of the file, read with ``pread`` and nothing around it: the kernel is told not to read
+  ahead (``POSIX_FADV_RANDOM``), which a memory map would do into the neighbouring ranks' slices.
 - **PyTorch files** (``pytorch_model.bin`` and its index, ``lit_model.pth``, any ``torch.save`` of a
   state dict): ``torch.load(mmap=True, weights_only=True)`` maps the file, and slicing a tensor
   touches only the pages of the slice.
@@ -27,6 +27,8 @@ Example::
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -78,34 +80,29 @@ class WeightFiles:
         handle = self._handle(key)
         if isinstance(handle, dict):
             return tuple(handle[key].shape)
-        return tuple(handle.get_slice(key).get_shape())
+        return handle.shape(key)
 
     def read(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of tensor ``key`` flattened, in its stored dtype (a new tensor)."""
         handle = self._handle(key)
         if isinstance(handle, dict):
             return handle[key].reshape(-1)[start:stop].clone()
-        piece = handle.get_slice(key)
-        shape = piece.get_shape()
-        if not shape:
-            return handle.get_tensor(key).reshape(-1)[start:stop]
-        row = 1
-        for n in shape[1:]:
-            row *= n
-        if row == 0 or stop <= start:
-            return torch.empty(0, dtype=_safetensors_dtype(piece.get_dtype()))
-        first, last = start // row, (stop - 1) // row
-        rows = piece[first : last + 1]
-        return rows.reshape(-1)[start - first * row : stop - first * row].clone()
+        return handle.read(key, start, stop)
 
     def read_whole(self, key: str) -> torch.Tensor:
         """Tensor ``key`` whole (for buffers, which every rank holds)."""
         handle = self._handle(key)
         if isinstance(handle, dict):
             return handle[key].clone()
-        return handle.get_tensor(key)
+        numel = 1
+        for n in handle.shape(key):
+            numel *= n
+        return handle.read(key, 0, numel).reshape(handle.shape(key))
 
     def close(self) -> None:
+        for handle in self._open.values():
+            if isinstance(handle, _SafetensorsFile):
+                handle.close()
         self._open.clear()
 
     def _handle(self, key: str) -> Any:
@@ -116,11 +113,65 @@ class WeightFiles:
         return handle
 
 
+class _SafetensorsFile:
+    """One ``.safetensors`` file read with ``pread`` at the byte ranges asked for, the kernel told not to read ahead
+    (``POSIX_FADV_RANDOM``): a rank reads its slices and nothing of its neighbours'. The format is an 8-byte
+    little-endian header length, a JSON header (``dtype``, ``shape``, ``data_offsets`` per tensor), then the data."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        (length,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        header = json.loads(os.pread(self.fd, length, 8))
+        header.pop("__metadata__", None)
+        self.base = 8 + length
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {
+            key: (_SAFETENSORS_DTYPES[v["dtype"]], tuple(v["shape"]), v["data_offsets"][0]) for key, v in header.items()
+        }
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.entries[key][1]
+
+    def read(self, key: str, start: int, stop: int) -> torch.Tensor:
+        dtype, _, offset = self.entries[key]
+        size = dtype.itemsize
+        buffer = bytearray(max(stop - start, 0) * size)
+        view, done = memoryview(buffer), 0
+        while done < len(buffer):
+            count = os.preadv(self.fd, [view[done : done + (1 << 30)]], self.base + offset + start * size + done)
+            if count == 0:
+                raise OSError(f"{str(self.path)!r} ends before tensor {key!r} does: the file is truncated")
+            done += count
+        if not buffer:
+            return torch.empty(0, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 def _open_file(path: Path) -> Any:
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-
-        return safe_open(str(path), framework="pt", device="cpu")
+        return _SafetensorsFile(path)
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(
@@ -132,10 +183,7 @@ def _open_file(path: Path) -> Any:
 
 def _keys_of(path: Path) -> list[str]:
     handle = _open_file(path)
-    return list(handle.keys())
-
-
-def _safetensors_dtype(name: str) -> torch.dtype:
-    return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}.get(
-        name, torch.float32
-    )
+    keys = list(handle.keys())
+    if isinstance(handle, _SafetensorsFile):
+        handle.close()
+    return keys
