@@ -131,11 +131,17 @@ def _trainer_cases(rank: int, world_size: int, paths: dict[str, str]) -> None:
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("pretrained")
     paths = {}
-    for name, safe in (("llama", True), ("gpt2", True), ("gpt2-bin", False)):
+    # One file each, and sharded with an index (model.safetensors.index.json, pytorch_model.bin.index.json).
+    for name, safe, shard in (("llama", True, None), ("gpt2", True, None), ("gpt2-bin", False, "40KB")):
         torch.manual_seed(3)
         model = build(name.split("-")[0], layers=3)
-        model.save_pretrained(root / name, safe_serialization=safe)
+        model.save_pretrained(root / name, safe_serialization=safe, max_shard_size=shard or "5GB")
         paths[name] = str(root / name)
+    torch.manual_seed(3)
+    build("llama", layers=3).save_pretrained(root / "llama-shards", max_shard_size="40KB")
+    assert len(list((root / "llama-shards").glob("*.safetensors"))) > 1
+    assert len(list((root / "gpt2-bin").glob("pytorch_model-*.bin"))) > 1
+    paths["llama-shards"] = str(root / "llama-shards")
     return paths
 
 
