@@ -16,6 +16,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
+from torch import nn
 
 import lightning_zero  # registers the strategy names with Fabric
 from lightning_zero.fabric import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
@@ -333,3 +334,31 @@ def test_checkpoints_move_between_trainer_and_fabric(tmp_path: Path) -> None:
     out = spawn(_trainer_and_fabric, world_size=2, root=str(tmp_path))[0]
     expected = {"model": True, "optimizer": True, "global_step": 2}
     assert out == {"trainer.ckpt": expected, "trainer-full.ckpt": expected, "fabric->trainer": True}
+
+
+def _optimizer_made_before_setup(rank: int, world_size: int) -> dict[str, dict[str, torch.Tensor]]:
+    results = {}
+    for strategy in ("ddp", "zero3"):
+        fabric = Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+        fabric.launch()
+        torch.manual_seed(0)
+        with fabric.init_module():  # under zero3: on the meta device, materialized sharded at setup
+            model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # over the parameters before setup
+        model, optimizer = fabric.setup(model, optimizer)
+        assert all(a is b for a, b in zip(params, model.parameters())), strategy  # the same objects, now real
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            fabric.backward(model(x).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        results[strategy] = {k: v.clone() for k, v in model.state_dict().items()}
+    return results
+
+
+def test_an_optimizer_made_before_setup_over_init_module_parameters_trains_as_ddp() -> None:
+    """``fabric.init_module()`` under zero3 builds on meta; the parameters keep their identity when they are made
+    real at setup, so an optimizer built over them before ``fabric.setup`` trains them, bitwise as under DDP."""
+    for result in spawn(_optimizer_made_before_setup, world_size=2, timeout=300):
+        assert all(torch.equal(result["ddp"][k], v) for k, v in result["zero3"].items())

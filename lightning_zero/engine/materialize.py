@@ -40,6 +40,15 @@ tensor read while recording and modified in place before setup. Code that *behav
 draws made on real tensors inside ``configure_model`` are not interleaved with the replayed ones; code that
 reads values (``.item()``, ``.tolist()``) fails on meta at build time, as before; code that reads every
 parameter after building (``model.half()``) keeps them all alive until then.
+
+[Note: parameter identity under meta init]
+A meta parameter cannot be pointed at real memory (``param.data = real`` refuses a tensor of another
+device type), yet code may hold it: under Fabric, ``optimizer = AdamW(model.parameters())`` between
+``fabric.init_module()`` and ``fabric.setup`` is common. So each parameter is made real in place with
+``torch.utils.swap_tensors``: the Python object stays, with the new tensor (a view of its unit's flat
+buffer) inside it, and every reference to it (optimizers, tied modules) sees the real parameter. Where
+a swap is refused (a weak reference to the parameter, as ``nn.LSTM`` keeps), a new parameter replaces it
+in its modules instead, as before.
 """
 
 from __future__ import annotations
@@ -143,6 +152,7 @@ def materialize_units(
             "`with fabric.init_module():` block (LitGPT: call initialize_weights(fabric, model, ...) there), or pass "
             "meta_init=False."
         )
+    trace.versions.clear()  # its weak references would keep the parameters from keeping their identity
     if trace.generator_state_read:
         raise MetaInitError(
             "configure_model read the random generator's state (torch.get_rng_state, torch.random.fork_rng) while the "
@@ -345,7 +355,12 @@ def _allocate(
         # buffer's version counter, and every later all-gather would invalidate tensors saved for backward.
         real = nn.Parameter(torch.empty(0, dtype=full.dtype, device=device), requires_grad=param.requires_grad)
         real.data = view
-        for mod, name in holders[id(param)]:
-            setattr(mod, name, real)  # not _parameters[name]: a module may track its parameters (nn.LSTM)
-        plan.params[j] = real
+        try:
+            # The same Python object, now real: an optimizer built over the meta parameters (Fabric, before
+            # setup) and any other reference keep working ([Note: parameter identity under meta init]).
+            torch.utils.swap_tensors(param, real)
+        except RuntimeError:  # a weak reference to it, or another owner of its TensorImpl: replace it instead
+            for mod, name in holders[id(param)]:
+                setattr(mod, name, real)  # not _parameters[name]: a module may track its parameters (nn.LSTM)
+            plan.params[j] = real
     return full
