@@ -23,11 +23,27 @@ from lightning_zero.engine.weight_files import WeightFiles
 _MODEL_ARGUMENTS = ("torch_dtype", "dtype", "attn_implementation", "trust_remote_code")
 
 
+# What a snapshot of a hub model needs for ``from_pretrained`` (weights, configs, tokenizer files).
+_SNAPSHOT_FILES = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.py"]
+
+
+def local_checkpoint(path: str | Path, revision: str | None = None) -> Path:
+    """``path`` itself when it exists on disk; otherwise a Hugging Face hub id (``"meta-llama/Llama-3.2-1B"``),
+    resolved to its local snapshot with ``huggingface_hub.snapshot_download`` (from the cache when it holds it,
+    offline with ``HF_HUB_OFFLINE=1``; every rank resolves the same files)."""
+    if Path(path).exists():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(path), revision=revision, allow_patterns=_SNAPSHOT_FILES))
+
+
 def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Module:
     """``model_class.from_pretrained(path, **kwargs)`` that stage 3 can shard without ever building it whole.
 
     ``model_class`` is a transformers class (``AutoModelForCausalLM``, ``LlamaForCausalLM``, ...); ``path`` a
-    local directory written by ``save_pretrained`` (safetensors or ``pytorch_model.bin``, sharded or not).
+    local directory written by ``save_pretrained`` (safetensors or ``pytorch_model.bin``, sharded or not) or a hub
+    id, resolved to its local snapshot first (``local_checkpoint``).
     While a model is being built on the meta device (``configure_model`` under stage 3's ``meta_init``, or
     ``fabric.init_module()``), the model is built there with its initialization skipped, and each rank reads
     its shards of the weights when the strategy sets the model up; the values equal ``from_pretrained``'s.
@@ -47,6 +63,7 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     import transformers
     from transformers.modeling_utils import no_init_weights
 
+    path = local_checkpoint(path, kwargs.pop("revision", None))
     model_kwargs = {name: kwargs.pop(name) for name in _MODEL_ARGUMENTS if name in kwargs}
     config = kwargs.pop("config", None)
     if config is None:
@@ -81,11 +98,11 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
 def load_weights(module: nn.Module, path: str | Path) -> nn.Module:
     """Load the weights at ``path`` into ``module`` (all of its parameters; persistent buffers found there too).
 
-    ``path``: a ``.safetensors`` file, a ``torch.save`` of a state dict (LitGPT's ``lit_model.pth``), or a
-    directory written by ``save_pretrained``. While ``module`` is being built on the meta device
-    (``configure_model`` under stage 3, ``fabric.init_module()``), nothing is read now: each rank reads only its
-    shards when the strategy sets the model up. Anywhere else, this is ``module.load_state_dict(...)`` with the
-    file's tensors, read whole. Returns ``module``.
+    ``path``: a ``.safetensors`` file, a ``torch.save`` of a state dict (LitGPT's ``lit_model.pth``), a
+    directory written by ``save_pretrained``, or a hub id (``local_checkpoint``). While ``module`` is being built
+    on the meta device (``configure_model`` under stage 3, ``fabric.init_module()``), nothing is read now: each
+    rank reads only its shards when the strategy sets the model up. Anywhere else, this is
+    ``module.load_state_dict(...)`` with the file's tensors, read whole. Returns ``module``.
 
     Example::
 
@@ -93,6 +110,7 @@ def load_weights(module: nn.Module, path: str | Path) -> nn.Module:
             self.model = GPT(Config.from_name("pythia-160m"))
             lightning_zero.load_weights(self.model, "checkpoints/pythia-160m/lit_model.pth")
     """
+    path = local_checkpoint(path)
     files = WeightFiles.open(path)
     load = plan_weight_load(module, files, source=str(path))
     trace = active_recording()

@@ -6,6 +6,7 @@ plain ``from_pretrained`` there). The "pretrained" checkpoints are tiny models s
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from tests.distributed import spawn
 from tests.models import quiet_trainer
 from tests.real_models import build, dataset, logits
 
+REPO = Path(__file__).resolve().parents[1]
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
@@ -199,3 +201,35 @@ def test_from_pretrained_load_weights_and_litgpt_init_under_fabric(pretrained: d
     state = tmp_path / "net.pth"
     torch.save(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).state_dict(), state)
     spawn(_fabric_and_load_weights, world_size=2, timeout=300, path=pretrained["llama"], state=str(state))
+
+
+_HUB_SCRIPT = """
+import torch, transformers
+import lightning_zero
+from lightning_zero.engine import Comm, ShardedModel
+from lightning_zero.engine.init_trace import record_meta_init
+with record_meta_init() as trace:  # as configure_model runs under stage 3
+    model = lightning_zero.from_pretrained(transformers.AutoModelForCausalLM, "tiny-org/tiny-llama")
+ShardedModel(model, stage=3, comm=Comm(), meta_init=trace)
+reference = transformers.AutoModelForCausalLM.from_pretrained("tiny-org/tiny-llama")
+state = model.state_dict()
+assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
+print("hub id ok")
+"""
+
+
+def test_from_pretrained_takes_a_hub_id_from_the_cache(pretrained: dict[str, str], tmp_path: Path) -> None:
+    """A hub id resolves to its snapshot in the Hugging Face cache (offline here: a cache made by hand)."""
+    import shutil
+    import subprocess
+    import sys
+
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "0"
+    shutil.copytree(pretrained["llama"], snapshot)
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("0")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", _HUB_SCRIPT], env=env, capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert result.returncode == 0 and "hub id ok" in result.stdout, result.stdout + result.stderr

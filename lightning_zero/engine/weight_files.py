@@ -55,8 +55,8 @@ class WeightFiles:
             return WeightFiles({key: path for key in _keys_of(path)})
         if not path.is_dir():
             raise FileNotFoundError(
-                f"no checkpoint at {str(path)!r}: pass a local directory written by save_pretrained (download a hub "
-                "model first, e.g. with huggingface_hub.snapshot_download(repo_id)) or one .safetensors/.bin/.pth file"
+                f"no checkpoint at {str(path)!r}: pass a directory written by save_pretrained, a hub id, or one "
+                ".safetensors/.bin/.pth file"
             )
         for index in (SAFETENSORS_INDEX, BIN_INDEX):
             if (path / index).is_file():
