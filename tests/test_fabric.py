@@ -354,6 +354,8 @@ def _optimizer_made_before_setup(rank: int, world_size: int) -> dict[str, dict[s
             optimizer.step()
             optimizer.zero_grad()
         results[strategy] = {k: v.clone() for k, v in model.state_dict().items()}
+        # A parameter read between steps, on every rank: under zero3 gathered for the read, DDP's values.
+        results[strategy]["<read>"] = params[0].detach().clone()
     return results
 
 
