@@ -602,7 +602,6 @@ class ShardedModel:
         its collectives run unchecked (the run's control channel is closed), and reading a parameter raises an
         error that says why and how to get full weights (see [Note: reading a sharded parameter])."""
         self.between_runs = reason
-        self.optimizers.clear()
         self.reducer.drop_buffers()
         for unit in self.units:
             unit.between_runs = reason

@@ -586,12 +586,8 @@ class ShardedUnit:
                 "file with lightning_zero.consolidate_checkpoint(...), or gathered with "
                 "trainer.strategy.full_state_dict() on every rank where they fit."
             )
-        self._finish_gather()
         with torch.no_grad():
-            full = torch.empty(self.layout.padded_numel, dtype=self.master_dtype, device=self.device)
-            label = f"{self.name} (a read of {', '.join(names)} outside its forward)"
-            self.comm.all_gather(full, self.master.to(self.device), name=label, guard=True)
-            views = self.full_views(full)
+            views = self.full_views(self.full_flat(f"a read of {', '.join(names)} outside its forward"))
         return [views[next(i for i, p in enumerate(self.params) if p is q)] for q in params]
 
     # ------------------------------------------------------------------ gradients
