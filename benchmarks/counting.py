@@ -10,7 +10,7 @@ DeepSpeed do not. ``CommCounter`` counts theirs in two ways:
   ``register_counted_allreduce`` installs DDP's own default all-reduce as a communication hook,
   which issues the same all-reduces through ``dist.all_reduce``.
 
-Bytes follow the same ring model as ``lightning_zero.engine.comm`` (what the ZeRO paper's 2Ψ / 3Ψ
+Bytes follow the same ring model as ``lightning_zero.engine.comm.comm`` (what the ZeRO paper's 2Ψ / 3Ψ
 figures assume): an all-gather, reduce-scatter or all-to-all sends ``(N - 1) / N`` of the full
 buffer, an all-reduce twice that, a reduce ``(N - 1) / N`` of the buffer (a reduce-scatter then a
 gather to the root), a broadcast the whole buffer from its source only.

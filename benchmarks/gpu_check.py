@@ -16,7 +16,7 @@ step) from fixed weights, and trains ``warmup + steps`` steps of each variant on
 
 The engine's ``Comm`` runs with ``run_alone=True``: its collectives are issued over NCCL even with
 one rank, so the asynchronous handles, stream waits, events and buffers of a real run are exercised
-(see [Note: streams] in ``engine/comm.py``). With one rank there is nothing to shard, so this
+(see [Note: streams] in ``engine/comm/comm.py``). With one rank there is nothing to shard, so this
 measures the engine's own overhead on a GPU (its flat buffers, hooks, copies and collectives), not
 its memory savings. ``--sanitizer`` runs two steps of every variant on the tiny model under torch's
 CUDA sanitizer (``torch.cuda._sanitizer``), which reports a kernel that reads or writes a tensor
@@ -138,7 +138,7 @@ def run_variant(variant: str, precision: str, args: argparse.Namespace, device: 
     if variant != "plain":
         stage = int(variant.split("-")[0][-1])
         if variant.endswith("-checks"):
-            from lightning_zero.engine.control import ControlChannel
+            from lightning_zero.engine.comm.control import ControlChannel
 
             comm = engine.Comm(checks="auto", control=ControlChannel.create(run_alone=True), run_alone=True)
         else:

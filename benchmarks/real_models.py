@@ -71,7 +71,7 @@ def _loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
 
 def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, batch_size: int) -> list[float]:
     from lightning_zero.engine import Comm, ShardedModel, owns_parameters
-    from lightning_zero.engine.control import ControlChannel
+    from lightning_zero.engine.comm.control import ControlChannel
     from tests.real_models import build
 
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
         wrapped: nn.Module = DistributedDataParallel(model)
     else:
         policy = owns_parameters if system == "zero3-per-layer" else None
-        # The strategies' checks: one agreement per step on the control channel (see engine/control.py).
+        # The strategies' checks: one agreement per step on the control channel (see engine/comm/control.py).
         comm = Comm(checks="auto", control=ControlChannel.create())
         sharded = ShardedModel(model, stage=_STAGE[system], comm=comm, policy=policy)
         wrapped = model

@@ -2,7 +2,7 @@
 
 ``RankResult`` is what one rank measured for one system in one repeat; rank 0 merges every rank's
 into a record (``merge_ranks``), one JSON line. ``summarize`` folds the records of all repeats into
-one row per system, compared with DDP and with the ZeRO theory (``lightning_zero.engine.memory``);
+one row per system, compared with DDP and with the ZeRO theory (``lightning_zero.engine.core.memory``);
 ``markdown_table`` prints the rows.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
+from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
 
 MB = 2**20
 

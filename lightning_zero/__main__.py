@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _consolidate(args: argparse.Namespace) -> int:
     """Exit status 0 when written, 2 (with one line on stderr, no traceback) when the input cannot be used."""
-    from lightning_zero.engine.safe_read import CorruptCheckpointError, UnsafeCheckpointError
+    from lightning_zero.engine.io.safe_read import CorruptCheckpointError, UnsafeCheckpointError
 
     def refuse(text: str) -> int:
         print("consolidate: " + " ".join(text.split()), file=sys.stderr)  # one line, whatever the message

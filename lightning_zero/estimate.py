@@ -17,7 +17,7 @@ The accounting (see ``docs/memory.md``; Ψ parameters, N ranks; ``c`` bytes of a
 or an offloaded optimizer); otherwise the parameters *are* the master. ``offload_optimizer`` moves
 master, sharded gradients and optimizer states to CPU memory. From an ``nn.Module`` the sizes are
 exact, padding included: units are planned and laid out by the engine's own ``plan_units`` and
-``ShardLayout`` (see [Note: flat layout] in ``engine/layout.py``).
+``ShardLayout`` (see [Note: flat layout] in ``engine/core/layout.py``).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
-from lightning_zero.engine.grouping import module_class_policy, plan_units
-from lightning_zero.engine.layout import ShardLayout
-from lightning_zero.engine.mesh import resolve_shard_size
+from lightning_zero.engine.comm.mesh import resolve_shard_size
+from lightning_zero.engine.core.grouping import module_class_policy, plan_units
+from lightning_zero.engine.core.layout import ShardLayout
 from lightning_zero.estimate_text import format_bytes, format_seconds, render
 
 PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
@@ -389,7 +389,7 @@ def _zero_row(
     stage: int, counts: _Counts, setting: _Setting, shard_size: int, offload: bool, offload_params: bool
 ) -> StrategyEstimate:
     """One ZeRO row; ``counts`` laid out over ``shard_size`` ranks (see [Note: hybrid sharding] in
-    ``engine/mesh.py`` and docs/multinode.md)."""
+    ``engine/comm/mesh.py`` and docs/multinode.md)."""
     d, world_size, prefetch, links, memory = setting
     c, m, k = d.compute, d.master, d.optimizer_states
     offload = offload or offload_params

@@ -3,7 +3,7 @@
 Under stage 3 the model is built on the meta device in ``configure_model`` (or ``fabric.init_module()``)
 and materialized already sharded at setup. These two functions fit that: inside such a build they
 record where each parameter's values are in the files, and at setup each rank reads only its shards
-(see [Note: pretrained weights under meta init] in ``engine/pretrained.py``). Anywhere else (DDP,
+(see [Note: pretrained weights under meta init] in ``engine/meta/pretrained.py``). Anywhere else (DDP,
 stages 1 and 2 without meta init, a plain script) they load as usual, so one ``configure_model``
 serves every strategy.
 """
@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_zero.engine.init_trace import active_recording
-from lightning_zero.engine.pretrained import plan_weight_load
-from lightning_zero.engine.weight_files import WeightFiles
+from lightning_zero.engine.io.weight_files import WeightFiles
+from lightning_zero.engine.meta.init_trace import active_recording
+from lightning_zero.engine.meta.pretrained import plan_weight_load
 
 # Arguments of ``from_pretrained`` that go to the model's constructor; the others update the config, as there.
 _MODEL_ARGUMENTS = ("torch_dtype", "dtype", "attn_implementation", "trust_remote_code")

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
-from lightning_zero.engine.init_trace import MetaInitError
+from lightning_zero.engine.meta.init_trace import MetaInitError
 from tests.distributed import spawn
 from tests.memory_tracker import LiveStorageBytes
 from tests.models import ParityNet, quiet_trainer, token_data

@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from lightning_zero import ZeRO3Strategy, consolidate_checkpoint
 from lightning_zero.__main__ import main as cli_main
-from lightning_zero.engine import files
-from lightning_zero.engine.checksums import records, tensor_records
-from lightning_zero.engine.files import KILL_AT, hold, new_token, release, temporary_path
-from lightning_zero.engine.safe_read import CorruptCheckpointError, UnsafeCheckpointError
+from lightning_zero.engine.io import files
+from lightning_zero.engine.io.checksums import records, tensor_records
+from lightning_zero.engine.io.files import KILL_AT, hold, new_token, release, temporary_path
+from lightning_zero.engine.io.safe_read import CorruptCheckpointError, UnsafeCheckpointError
 from lightning_zero.strategies.saving import CheckpointSaveError
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
@@ -86,8 +86,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_pieces_written_by_two_ranks_make_the_file_torch_save_would_write(tmp_path: Path) -> None:
     """The writer on one process, playing both ranks: a 3x4 weight split 7/5 elements, tied under two names,
     an optimizer state split the same way, a real buffer and a step counter."""
-    from lightning_zero.engine.checksums import RecordChecksumError, join_checksums, write_checksums
-    from lightning_zero.engine.torch_file import FlatPiece, write_pieces, write_skeleton
+    from lightning_zero.engine.io.checksums import RecordChecksumError, join_checksums, write_checksums
+    from lightning_zero.engine.io.torch_file import FlatPiece, write_pieces, write_skeleton
 
     weight, state = torch.randn(3, 4), torch.randn(3, 4)
     flat_w, flat_s = weight.reshape(-1), state.reshape(-1)
@@ -389,7 +389,7 @@ class _KillDuringSecondSave(Callback):
         if trainer.current_epoch == 1:
             os.environ[KILL_AT] = f"{self.point}@last.ckpt"
             if self.change_format:
-                import lightning_zero.engine.files as files
+                import lightning_zero.engine.io.files as files
 
                 trainer.strategy.checkpoint_format = "sharded"  # type: ignore[attr-defined]
                 files.exchange = lambda a, b: False  # as on a file system without RENAME_EXCHANGE

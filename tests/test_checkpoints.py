@@ -26,8 +26,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import lightning_zero
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, consolidate_checkpoint
-from lightning_zero.engine.checkpoint import CheckpointMismatchError, CorruptCheckpointError
-from lightning_zero.engine.safe_read import UnsafeCheckpointError
+from lightning_zero.engine.checkpoint.sharded import CheckpointMismatchError, CorruptCheckpointError
+from lightning_zero.engine.io.safe_read import UnsafeCheckpointError
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from lightning_zero.engine import Comm
-from lightning_zero.engine.control import ControlChannel
+from lightning_zero.engine.comm.control import ControlChannel
 from tests.distributed import spawn
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine import Comm, ShardedModel, default_unit_policy, owns_parameters, plan_units
-from lightning_zero.engine.stage3 import FoldedModuleError
+from lightning_zero.engine.schedule.stage3 import FoldedModuleError
 
 
 class Block(nn.Module):

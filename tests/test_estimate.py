@@ -10,8 +10,8 @@ from torch import nn
 import lightning_zero.estimate
 from lightning_zero import estimate_memory
 from lightning_zero.__main__ import main
-from lightning_zero.engine.layout import ShardLayout
-from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
+from lightning_zero.engine.core.layout import ShardLayout
+from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
 from lightning_zero.estimate import INTER_NODE_GBPS, INTRA_NODE_GBPS, PCIE_GBPS, parse_bytes, parse_count
 
 PSI = 7_000_000_000

@@ -1,7 +1,7 @@
 """Hybrid sharding (``shard_size``): states sharded inside groups of ranks, replicated across them.
 
 Four CPU processes, ``shard_size=2``: two shard groups ({0, 1} and {2, 3}) of two ranks each (see
-[Note: hybrid sharding] in ``engine/mesh.py``). One spawn per test, many cases per spawn:
+[Note: hybrid sharding] in ``engine/comm/mesh.py``). One spawn per test, many cases per spawn:
 
 - every stage trains through a real ``Trainer`` like ``DDPStrategy`` (losses, parameters, learning
   rates and the gradient norm before clipping), within the tolerance four ranks allow today (the sums
@@ -25,7 +25,7 @@ from torch import nn
 import lightning_zero  # noqa: F401  registers the strategy names
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import Comm, ShardedModel, module_class_policy
-from lightning_zero.engine.mesh import resolve_shard_size
+from lightning_zero.engine.comm.mesh import resolve_shard_size
 from tests.distributed import spawn
 from tests.test_trainer_parity import _train
 

@@ -5,11 +5,11 @@ import doctest
 import pytest
 import torch
 
-import lightning_zero.engine.layout as layout_module
-import lightning_zero.engine.memory as memory_module
-from lightning_zero.engine.grouping import module_class_policy, owns_parameters, plan_units
-from lightning_zero.engine.layout import ShardLayout
-from lightning_zero.engine.memory import theory_bytes, theory_comm_bytes
+import lightning_zero.engine.core.layout as layout_module
+import lightning_zero.engine.core.memory as memory_module
+from lightning_zero.engine.core.grouping import module_class_policy, owns_parameters, plan_units
+from lightning_zero.engine.core.layout import ShardLayout
+from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
 
 SHAPES = [torch.Size([3, 5]), torch.Size([7]), torch.Size([]), torch.Size([2, 2, 2]), torch.Size([0]), torch.Size([1])]
 

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import Comm, ShardedModel
-from lightning_zero.engine.grouping import module_class_policy
+from lightning_zero.engine.core.grouping import module_class_policy
 from tests.distributed import spawn
 from tests.memory_tracker import live_bytes_since, live_storages
 from tests.models import quiet_trainer

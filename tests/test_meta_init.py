@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine import MetaInitError, default_unit_policy, plan_units, record_meta_init
-from lightning_zero.engine.materialize import materialize_units
+from lightning_zero.engine.meta.materialize import materialize_units
 from tests.memory_tracker import LiveStorageBytes
 
 

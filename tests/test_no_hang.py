@@ -2,7 +2,7 @@
 
 Each case runs through a real ``Trainer`` on 2 CPU ranks, well inside a wall-clock limit far under
 the process group's 30-minute default timeout. The cases that end in an agreement (see [Note:
-agreements] in ``engine/control.py``) leave the process group usable, so they share one pair of
+agreements] in ``engine/comm/control.py``) leave the process group usable, so they share one pair of
 processes; the cases that leave a collective in flight (one rank on the recorded track, the other
 off it, or a rank that failed) get a pair each, which exits without a final barrier.
 """
@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import CollectiveMismatchError
-from lightning_zero.engine.control import PeerFailureError
+from lightning_zero.engine.comm.control import PeerFailureError
 from lightning_zero.processes import LeaveBroken
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer, token_data

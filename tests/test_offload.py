@@ -14,7 +14,7 @@
   directory one way), to the losses and parameters of the uninterrupted run.
 
 On a CPU build "host" and "device" are the same memory: these tests prove the results and where each
-tensor is meant to live (see [Note: parameter offload] in ``engine/unit.py``), not a saving.
+tensor is meant to live (see [Note: parameter offload] in ``engine/core/unit.py``), not a saving.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import nn
 import lightning_zero.fabric as zero_fabric
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import Comm, ShardedModel
-from lightning_zero.engine.unit import ShardedUnit
+from lightning_zero.engine.core.unit import ShardedUnit
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 

@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_zero
-from lightning_zero.engine.control import CollectiveMismatchError
-from lightning_zero.engine.init_trace import MetaInitError
-from lightning_zero.engine.weight_files import WeightFiles
+from lightning_zero.engine.comm.control import CollectiveMismatchError
+from lightning_zero.engine.io.weight_files import WeightFiles
+from lightning_zero.engine.meta.init_trace import MetaInitError
 from tests.distributed import spawn
 from tests.models import quiet_trainer
 from tests.real_models import build, dataset, logits
@@ -207,7 +207,7 @@ _HUB_SCRIPT = """
 import torch, transformers
 import lightning_zero
 from lightning_zero.engine import Comm, ShardedModel
-from lightning_zero.engine.init_trace import record_meta_init
+from lightning_zero.engine.meta.init_trace import record_meta_init
 with record_meta_init() as trace:  # as configure_model runs under stage 3
     model = lightning_zero.from_pretrained(transformers.AutoModelForCausalLM, "tiny-org/tiny-llama")
 ShardedModel(model, stage=3, comm=Comm(), meta_init=trace)

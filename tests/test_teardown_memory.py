@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.engine.optimizer import ShardedOptimizerStateError
-from lightning_zero.engine.placeholder import ShardedParameterReadError
+from lightning_zero.engine.core.optimizer import ShardedOptimizerStateError
+from lightning_zero.engine.core.placeholder import ShardedParameterReadError
 from tests.distributed import spawn
 from tests.models import quiet_trainer
 

@@ -1,7 +1,7 @@
 """Draw docs/img/memory_per_stage.png: model-state memory per device for DDP and each ZeRO stage.
 
 Run from the repository root (needs matplotlib): ``python docs/scripts/plot_memory.py``.
-The numbers come from ``lightning_zero.engine.memory.theory_bytes`` (fp32 Adam: 4 + 4 + 8 bytes
+The numbers come from ``lightning_zero.engine.core.memory.theory_bytes`` (fp32 Adam: 4 + 4 + 8 bytes
 per parameter), the same table the tests check measured storage sizes against.
 """
 
@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from lightning_zero.engine.memory import theory_bytes
+from lightning_zero.engine.core.memory import theory_bytes
 
 OUT = Path(__file__).resolve().parents[1] / "img" / "memory_per_stage.png"
 PARAMS = 7_000_000_000

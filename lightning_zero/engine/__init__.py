@@ -3,13 +3,13 @@
 See ``sharded_model.ShardedModel`` for the entry point and ``layout.py`` for the vocabulary.
 """
 
-from lightning_zero.engine.comm import CollectiveMismatchError, Comm, CommStats
-from lightning_zero.engine.grouping import default_unit_policy, module_class_policy, owns_parameters, plan_units
-from lightning_zero.engine.init_trace import MetaInitError, record_meta_init
-from lightning_zero.engine.layout import ParamShard, ShardLayout, ShardRange
-from lightning_zero.engine.optimizer import UnsupportedOptimizerError, check_elementwise
+from lightning_zero.engine.comm.comm import CollectiveMismatchError, Comm, CommStats
+from lightning_zero.engine.core.grouping import default_unit_policy, module_class_policy, owns_parameters, plan_units
+from lightning_zero.engine.core.layout import ParamShard, ShardLayout, ShardRange
+from lightning_zero.engine.core.optimizer import UnsupportedOptimizerError, check_elementwise
+from lightning_zero.engine.core.unit import ShardedUnit, UnitState
+from lightning_zero.engine.meta.init_trace import MetaInitError, record_meta_init
 from lightning_zero.engine.sharded_model import ShardedModel
-from lightning_zero.engine.unit import ShardedUnit, UnitState
 
 __all__ = [
     "CollectiveMismatchError",

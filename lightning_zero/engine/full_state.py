@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.engine.comm import Comm
-from lightning_zero.engine.layout import ParamShard
-from lightning_zero.engine.optimizer import is_param_shaped, slice_state
-from lightning_zero.engine.placeholder import passthrough
-from lightning_zero.engine.unit import ShardedUnit
+from lightning_zero.engine.comm.comm import Comm
+from lightning_zero.engine.core.layout import ParamShard
+from lightning_zero.engine.core.optimizer import is_param_shaped, slice_state
+from lightning_zero.engine.core.placeholder import passthrough
+from lightning_zero.engine.core.unit import ShardedUnit
 
 
 def _keys_of(module: nn.Module) -> tuple[dict[str, Any], dict[int, list[str]]]:

@@ -18,7 +18,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.engine.comm import Comm
+from lightning_zero.engine.comm.comm import Comm
+from lightning_zero.engine.comm.mesh import ShardGroups, ShardSize, resolve_shard_size
+from lightning_zero.engine.core.grouping import ROOT_NAME, UnitPolicy, bucket_units, plan_units
+from lightning_zero.engine.core.layout import ParamShard
+from lightning_zero.engine.core.optimizer import (
+    bind_optimizer,
+    check_optimizer_params,
+    guard_sharded_state,
+    is_param_shaped,
+)
+from lightning_zero.engine.core.param_checks import check_no_shared_memory, check_no_sparse_gradients, check_unit_params
+from lightning_zero.engine.core.unit import ShardedUnit, UnitState
 from lightning_zero.engine.free_memory import FIT_MARGIN, available_bytes, describe_bytes, fits
 from lightning_zero.engine.full_state import (
     ShardLoader,
@@ -27,20 +38,14 @@ from lightning_zero.engine.full_state import (
     full_state_dict,
     load_full_optimizer_state_dict,
 )
-from lightning_zero.engine.grads import GradReducer
-from lightning_zero.engine.grouping import ROOT_NAME, UnitPolicy, bucket_units, plan_units
-from lightning_zero.engine.init_trace import InitTrace
-from lightning_zero.engine.layout import ParamShard
-from lightning_zero.engine.materialize import has_meta_tensors, materialize_units
-from lightning_zero.engine.mesh import ShardGroups, ShardSize, resolve_shard_size
-from lightning_zero.engine.optimizer import bind_optimizer, check_optimizer_params, guard_sharded_state, is_param_shaped
-from lightning_zero.engine.param_checks import check_no_shared_memory, check_no_sparse_gradients, check_unit_params
-from lightning_zero.engine.pretrained import load_weight_shards, resolve_weight_loads
-from lightning_zero.engine.stage3 import Stage3Hooks
-from lightning_zero.engine.unit import ShardedUnit, UnitState
+from lightning_zero.engine.meta.init_trace import InitTrace
+from lightning_zero.engine.meta.materialize import has_meta_tensors, materialize_units
+from lightning_zero.engine.meta.pretrained import load_weight_shards, resolve_weight_loads
+from lightning_zero.engine.schedule.grads import GradReducer
+from lightning_zero.engine.schedule.stage3 import Stage3Hooks
 
 if TYPE_CHECKING:
-    from lightning_zero.engine.control import ControlChannel
+    from lightning_zero.engine.comm.control import ControlChannel
 
 STAGES = (1, 2, 3)
 

@@ -3,7 +3,7 @@
 The files are the Trainer strategies' (see ``lightning_zero/strategies/checkpointing.py``):
 
 - ``"sharded"``: a directory in which every rank writes its pieces of the model's parameters and of
-  the optimizers' states with ``torch.distributed.checkpoint`` (``engine/checkpoint.py``: names
+  the optimizers' states with ``torch.distributed.checkpoint`` (``engine/checkpoint/sharded.py``: names
   ``model/<param>`` and ``optim/<i>/<param>/<key>``); rank 0 adds ``meta.pt`` with every other entry
   of the state (step counters, RNG states, schedulers, other modules' full state dicts) and, under
   ``lightning_zero``, what the shards need to be reassembled plus which state keys held the model
@@ -26,7 +26,7 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_zero.engine.checkpoint import (
+from lightning_zero.engine.checkpoint.sharded import (
     CorruptCheckpointError,
     checkpoint_meta,
     load_sharded,
@@ -34,7 +34,7 @@ from lightning_zero.engine.checkpoint import (
     sharded_optimizer_state,
     write_checkpoint_directory,
 )
-from lightning_zero.engine.files import atomic_torch_save, find_checkpoint, new_token
+from lightning_zero.engine.io.files import atomic_torch_save, find_checkpoint, new_token
 from lightning_zero.strategies.checkpointing import check_file_together, read_meta
 from lightning_zero.strategies.saving import gather_from_every_rank
 

@@ -20,7 +20,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_zero.engine import ShardedModel
-from lightning_zero.engine.scaler import ShardedGradScaler
+from lightning_zero.engine.core.scaler import ShardedGradScaler
 from lightning_zero.strategies.precision import PRECISIONS, NonFiniteGradientError, NonFinitePolicy
 
 

@@ -52,15 +52,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.engine import Comm, ShardedModel, module_class_policy
-from lightning_zero.engine.comm import CollectiveChecks
-from lightning_zero.engine.control import ControlChannel
+from lightning_zero.engine.checkpoint.hf_export import write_hf_checkpoint
+from lightning_zero.engine.comm.comm import CollectiveChecks
+from lightning_zero.engine.comm.control import ControlChannel
+from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.comm.process_exit import destroy_at_exit
+from lightning_zero.engine.core.placeholder import refuse_module_sharded_elsewhere
 from lightning_zero.engine.free_memory import kept_sharded_text
-from lightning_zero.engine.hf_export import write_hf_checkpoint
-from lightning_zero.engine.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
-from lightning_zero.engine.materialize import has_meta_tensors
-from lightning_zero.engine.mesh import ShardSize, check_shard_size
-from lightning_zero.engine.placeholder import refuse_module_sharded_elsewhere
-from lightning_zero.engine.process_exit import destroy_at_exit
+from lightning_zero.engine.meta.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
+from lightning_zero.engine.meta.materialize import has_meta_tensors
 from lightning_zero.engine.sharded_model import check_offload_params
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric.precision import check_precision, shard_scaler, skip_nonfinite_step
@@ -162,7 +162,9 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         self.param_dtype = parse_dtype("param_dtype", param_dtype)
         self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype)
         self.offload_params = offload_params
-        self.offload_optimizer = offload_optimizer or offload_params  # see [Note: parameter offload] in engine/unit.py
+        self.offload_optimizer = (
+            offload_optimizer or offload_params
+        )  # see [Note: parameter offload] in engine/core/unit.py
         self.meta_init = self.stage == 3 if meta_init is None else meta_init
         self.bucket_size_mb = default_bucket_size_mb(self.stage, unit_modules, bucket_size_mb)
         self.prefetch = prefetch
@@ -204,9 +206,9 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        if created:  # see [Note: the process group at exit] in engine/process_exit.py
+        if created:  # see [Note: the process group at exit] in engine/comm/process_exit.py
             destroy_at_exit()
-        self._control = ControlChannel.create()  # see [Note: agreements] in engine/control.py
+        self._control = ControlChannel.create()  # see [Note: agreements] in engine/comm/control.py
 
     # ------------------------------------------------------------------ model and optimizers
     @property
@@ -393,7 +395,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
                 rank_zero_warn(kept_sharded_text(kept, fabric=True))
             self._sharded = None
             self._steps = None
-        if self._control is not None:  # see [Note: nothing outlives teardown] in engine/control.py
+        if self._control is not None:  # see [Note: nothing outlives teardown] in engine/comm/control.py
             self._control.close()
             self._control = None
         super().teardown()

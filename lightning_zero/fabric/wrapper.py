@@ -41,7 +41,7 @@ class StepBracket:
         self.counts = {"training": 0, "no_grad": 0}
 
     def _agree(self, kind: str) -> None:
-        """Every rank starts the same step (see [Note: agreements] in ``engine/control.py``)."""
+        """Every rank starts the same step (see [Note: agreements] in ``engine/comm/control.py``)."""
         self.counts[kind] += 1
         step = self.counts[kind]
         what = "forward with gradients" if kind == "training" else "forward under no_grad"

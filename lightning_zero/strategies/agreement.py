@@ -1,4 +1,4 @@
-"""What the strategies ask every rank to agree on (see [Note: agreements] in ``engine/control.py``).
+"""What the strategies ask every rank to agree on (see [Note: agreements] in ``engine/comm/control.py``).
 
 - at setup: the trainable set (as ``DDPStrategy`` checks that every rank has the same parameters);
 - at the start of every step: which step it is (phase, epoch, step counter, trainable set, whether
@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_zero.engine import Comm
-from lightning_zero.engine.control import SERVING, ControlChannel
+from lightning_zero.engine.comm.control import SERVING, ControlChannel
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def begin_eval_step(comm: Comm, phase: str, step: int, describe: Callable[[], st
     rank's forward, and goes on to the next step; once no flag is up every rank has finished, and all leave
     the loop together, to what follows it (the loop's synced logging, the teardown) in step again. So one
     agreement per batch, as before, and one more per loop. A served step is a step of the "evaluation"
-    sequence like any other (see [Note: collective checks] in ``engine/comm.py``): a batch that issues
+    sequence like any other (see [Note: collective checks] in ``engine/comm/comm.py``): a batch that issues
     another collective than the forward's gathers (a per-batch synced log, a callback that communicates) is
     found, at once or by the stall report, with the serving rank's line saying that it serves. Not joined: a
     rank with no batch at all (Lightning skips its loop), and a step that takes ``dataloader_iter`` (its last

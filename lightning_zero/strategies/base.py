@@ -49,22 +49,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.engine import Comm, CommStats, ShardedModel, module_class_policy
-from lightning_zero.engine.checkpoint import (
+from lightning_zero.engine.checkpoint.hf_export import write_hf_checkpoint
+from lightning_zero.engine.checkpoint.sharded import (
     piece_optimizer_state,
     piece_state_dict,
     sharded_model_state,
     sharded_optimizer_state,
 )
-from lightning_zero.engine.comm import CollectiveChecks
-from lightning_zero.engine.control import ControlChannel, PeerFailureError, abort_if_broken
-from lightning_zero.engine.files import find_checkpoint, remove_checkpoint
+from lightning_zero.engine.comm.comm import CollectiveChecks
+from lightning_zero.engine.comm.control import ControlChannel, PeerFailureError, abort_if_broken
+from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.comm.process_exit import destroy_at_exit, mark_failed
+from lightning_zero.engine.core.placeholder import has_hidden_parameters, refuse_module_sharded_elsewhere
 from lightning_zero.engine.free_memory import kept_sharded_text
-from lightning_zero.engine.hf_export import write_hf_checkpoint
-from lightning_zero.engine.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
-from lightning_zero.engine.materialize import has_meta_tensors
-from lightning_zero.engine.mesh import ShardSize, check_shard_size
-from lightning_zero.engine.placeholder import has_hidden_parameters, refuse_module_sharded_elsewhere
-from lightning_zero.engine.process_exit import destroy_at_exit, mark_failed
+from lightning_zero.engine.io.files import find_checkpoint, remove_checkpoint
+from lightning_zero.engine.meta.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
+from lightning_zero.engine.meta.materialize import has_meta_tensors
 from lightning_zero.engine.sharded_model import check_offload_params
 from lightning_zero.strategies import agreement, checkpointing
 from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
@@ -220,7 +220,9 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         self.param_dtype = parse_dtype("param_dtype", param_dtype)
         self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype)
         self.offload_params = offload_params
-        self.offload_optimizer = offload_optimizer or offload_params  # see [Note: parameter offload] in engine/unit.py
+        self.offload_optimizer = (
+            offload_optimizer or offload_params
+        )  # see [Note: parameter offload] in engine/core/unit.py
         self.meta_init = self.stage == 3 if meta_init is None else meta_init
         super().__init__(
             accelerator=accelerator,
@@ -282,9 +284,9 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
-        if created:  # see [Note: the process group at exit] in engine/process_exit.py
+        if created:  # see [Note: the process group at exit] in engine/comm/process_exit.py
             destroy_at_exit()
-        self._control = ControlChannel.create()  # see [Note: agreements] in engine/control.py
+        self._control = ControlChannel.create()  # see [Note: agreements] in engine/comm/control.py
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -455,7 +457,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
                 self._sharded = None
             else:  # see [Note: what fits at the end] in engine/free_memory.py
                 rank_zero_warn(kept_sharded_text(kept))
-        if self._control is not None:  # see [Note: nothing outlives teardown] in engine/control.py
+        if self._control is not None:  # see [Note: nothing outlives teardown] in engine/comm/control.py
             self._control.close(destroy_group=not self._failed)
             self._control = None
         module = self._lightning_module
@@ -713,7 +715,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         """Write ``module`` (the transformers model the ``LightningModule`` holds, or any part of it) to the directory
         ``path`` as a Hugging Face checkpoint that plain ``from_pretrained`` loads: sharded safetensors with their
         index and the model's ``config.json``, each rank writing the tensors dealt to it, never the whole model on
-        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/hf_export.py``). A collective: call it
+        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/checkpoint/hf_export.py``). A collective: call it
         on every rank. When the module is not sharded (after ``fit``), rank 0 calls ``module.save_pretrained(path)``.
 
         Example::

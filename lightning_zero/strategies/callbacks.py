@@ -7,7 +7,7 @@ averaged values back into them, with plain tensor code (``copy_``, ``_foreach_le
 ``ModelPruning`` computes masks from the weights and rebinds ``param.data`` (``prune.remove``, the
 lottery-ticket reset), which ``gathered_parameters()`` takes over on exit. Under stage
 3, or with a half-precision compute copy, the parameters do not show their master values between
-steps (see [Note: parameters outside their unit's use] in ``engine/unit.py``). The strategy
+steps (see [Note: parameters outside their unit's use] in ``engine/core/unit.py``). The strategy
 therefore brackets each such callback with two small callbacks of its own, inserted into
 ``trainer.callbacks`` just before and just after it: around every hook listed in
 ``WEIGHT_HOOKS`` that the callback overrides, the first enters

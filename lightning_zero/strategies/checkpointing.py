@@ -5,15 +5,15 @@ Two formats (``checkpoint_format=``):
 - ``"full"`` (default): one ordinary ``.ckpt`` file, exactly what ``DDPStrategy`` writes (full state
   dict, full per-parameter optimizer states), loadable without this package, e.g. by
   ``LightningModule.load_from_checkpoint``. Every rank writes its own shards into it, in parallel;
-  nothing is gathered (see [Note: parallel full file] in ``engine/torch_file.py``).
+  nothing is gathered (see [Note: parallel full file] in ``engine/io/torch_file.py``).
 - ``"sharded"``: a directory. Every rank writes its own file of shards with
   ``torch.distributed.checkpoint`` (see [Note: checkpoint layout] and [Note: sharded layout] in
-  ``engine/checkpoint.py``); rank 0 adds ``meta.pt`` with Lightning's part (loops, callbacks, LR
+  ``engine/checkpoint/sharded.py``); rank 0 adds ``meta.pt`` with Lightning's part (loops, callbacks, LR
   schedulers, hyper-parameters, precision state) and what the shards need to be reassembled.
 
 Either kind loads at any world size, under any stage. Saves follow [Note: save protocol] in
 ``strategies/saving.py`` (crash-safe, cleaned up on failure); reads follow [Note: checkpoint trust] in
-``engine/safe_read.py`` (``weights_only=True`` unless the caller passes ``weights_only=False``).
+``engine/io/safe_read.py`` (``weights_only=True`` unless the caller passes ``weights_only=False``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_zero.engine.checkpoint import META_FILE, consolidate_state, load_sharded
-from lightning_zero.engine.files import (
+from lightning_zero.engine.checkpoint.sharded import META_FILE, consolidate_state, load_sharded
+from lightning_zero.engine.errors import WeightsOnlyCheckpointError
+from lightning_zero.engine.io.files import (
     atomic_torch_save,
     commit,
     find_checkpoint,
@@ -35,7 +36,7 @@ from lightning_zero.engine.files import (
     remove,
     temporary_path,
 )
-from lightning_zero.engine.safe_read import (
+from lightning_zero.engine.io.safe_read import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
     check_records,
@@ -62,10 +63,6 @@ __all__ = [
     "read_meta",
     "save",
 ]
-
-
-class WeightsOnlyCheckpointError(KeyError):
-    """``fit`` was asked to resume from a checkpoint that holds the model only."""
 
 
 def save(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:

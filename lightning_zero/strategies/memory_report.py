@@ -75,7 +75,7 @@ def memory_report(strategy: ZeROStrategy) -> MemoryReport:
     precision = strategy.precision_plugin
     unit = sharded.units[0]
     optimizers = strategy.unwrapped_optimizers
-    # Under hybrid sharding states are divided by the shard group's size, not the world's (engine/mesh.py).
+    # Under hybrid sharding states are divided by the shard group's size, not the world's (engine/comm/mesh.py).
     hybrid = sharded.replicate_comm is not None
     estimate = estimate_memory(
         strategy.lightning_module,

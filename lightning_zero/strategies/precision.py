@@ -44,17 +44,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.engine import ShardedModel
-from lightning_zero.engine.scaler import ShardedGradScaler
+from lightning_zero.engine.core.scaler import ShardedGradScaler
+from lightning_zero.engine.errors import NonFiniteGradientError
 
 NonFinitePolicy = Literal["raise", "skip", "ignore"]
 PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _HALF = {"bf16": torch.bfloat16, "16": torch.float16}
 __all__ = ["NonFiniteGradientError", "ShardedGradScaler", "ZeROPrecision"]
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """A gradient held ``inf`` or ``NaN``; raised on every rank together, before the step."""
 
 
 class ZeROPrecision(Precision):

@@ -9,13 +9,13 @@ checkpoint untouched. Only rank 0 commits, after every rank's data is durable (`
 
 - ``"full"``: rank 0 writes the file's skeleton under a hidden temporary name and broadcasts where
   each piece goes; every rank writes its pieces; rank 0 checks that the pieces cover every tensor,
-  then renames the file into place (see [Note: parallel full file] in ``engine/torch_file.py``).
+  then renames the file into place (see [Note: parallel full file] in ``engine/io/torch_file.py``).
 - ``"sharded"``: every rank writes its DCP file into ``shards-<token>`` (inside the existing
   checkpoint, or inside a hidden temporary directory for a new one); rank 0 writes ``meta.pt``, which
-  commits (see [Note: sharded layout] in ``engine/checkpoint.py``), and deletes the previous shards.
+  commits (see [Note: sharded layout] in ``engine/checkpoint/sharded.py``), and deletes the previous shards.
 
 Rank 0 creates the temporary file, or the directory the ranks write into, and holds its ``flock``
-until the commit or the removal (``hold`` in ``engine/files.py``), before any rank writes into it; its
+until the commit or the removal (``hold`` in ``engine/io/files.py``), before any rank writes into it; its
 clean-up after the commit deletes only what saves that are over left (see [Note: crash-safe saves]), and
 nothing more once another run has committed a newer ``meta.pt`` over this save's: that run cleans up.
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_zero.engine.checkpoint import (
+from lightning_zero.engine.checkpoint.sharded import (
     CHECKSUMS_KEY,
     META_FILE,
     SHARDS_PREFIX,
@@ -46,8 +46,9 @@ from lightning_zero.engine.checkpoint import (
     plain_module_checkpoint,
     save_sharded,
 )
-from lightning_zero.engine.checksums import PieceChecksum, join_checksums, write_checksums
-from lightning_zero.engine.files import (
+from lightning_zero.engine.errors import CheckpointSaveError
+from lightning_zero.engine.io.checksums import PieceChecksum, join_checksums, write_checksums
+from lightning_zero.engine.io.files import (
     atomic_torch_save,
     claimed,
     commit,
@@ -60,18 +61,13 @@ from lightning_zero.engine.files import (
     remove_leftovers,
     temporary_path,
 )
-from lightning_zero.engine.torch_file import FlatPiece, Skeleton, pieces_in, write_pieces, write_skeleton
+from lightning_zero.engine.io.torch_file import FlatPiece, Skeleton, pieces_in, write_pieces, write_skeleton
 
 if TYPE_CHECKING:
     from lightning_zero.strategies.base import ZeROStrategy
 
 SHARDED_KEYS = ("state_dict", "optimizer_states")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-class CheckpointSaveError(RuntimeError):
-    """A save failed on some rank; every rank raises it, the partial save was removed, and the previous
-    checkpoint of that name is unchanged."""
 
 
 Report = dict[int, tuple[str, bool]]  # failing rank -> (what went wrong, whether it is a full disk)

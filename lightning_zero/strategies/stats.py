@@ -19,7 +19,7 @@ def log_step_stats(strategy: ZeROStrategy) -> None:
     trainer = module.trainer
     sharded = strategy.sharded_model
     # Under hybrid sharding the bytes inside and across shard groups are counted apart (see [Note: hybrid sharding]
-    # in engine/mesh.py): "zero/shard_group/..." and "zero/replicate_group/..." beside the world's "zero/...".
+    # in engine/comm/mesh.py): "zero/shard_group/..." and "zero/replicate_group/..." beside the world's "zero/...".
     previous = strategy._stats_logged_until or {}
     now = {name: comm.stats.snapshot() for name, comm in sharded.comms().items()}
     by_group = {name: stats.since(previous[name]) if name in previous else stats for name, stats in now.items()}

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero.engine.mesh import ShardSize, resolve_shard_size
+from lightning_zero.engine.comm.mesh import ShardSize, resolve_shard_size
 
 
 class ProcessTopology:
@@ -57,7 +57,7 @@ class ProcessTopology:
         return self._process_group_backend
 
     def resolved_shard_size(self) -> int:
-        """Ranks per shard group (see [Note: hybrid sharding] in ``engine/mesh.py``): ``shard_size``, with
+        """Ranks per shard group (see [Note: hybrid sharding] in ``engine/comm/mesh.py``): ``shard_size``, with
         ``None`` as the world size and ``"node"`` as the processes of one node. Raises ``ValueError`` on every
         rank alike when it does not divide the world size (no collective needed: every rank knows both)."""
         return resolve_shard_size(self.shard_size, self.num_nodes * self.num_processes, self.num_processes)

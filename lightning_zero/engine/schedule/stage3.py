@@ -65,12 +65,9 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from lightning_zero.engine.compiled import outside_graphs
-from lightning_zero.engine.unit import ShardedUnit
-
-
-class FoldedModuleError(RuntimeError):
-    """A module folded into a unit ran while that unit was not gathered (see [Note: folded modules])."""
+from lightning_zero.engine.core.unit import ShardedUnit
+from lightning_zero.engine.errors import FoldedModuleError
+from lightning_zero.engine.schedule.compiled import outside_graphs
 
 
 class Stage3Hooks:

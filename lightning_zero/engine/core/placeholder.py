@@ -48,13 +48,13 @@ a hang); DeepSpeed's empty placeholders read as a silently wrong shape.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from lightning_zero.engine.unit import ShardedUnit
+from lightning_zero.engine.errors import ShardedParameterReadError, ShardedParameterWriteError
+
 
 _T = torch.Tensor
 # Answered from the placeholder: what a function may ask of a parameter without reading its values.
@@ -131,13 +131,15 @@ _NO_GRAD_READS = frozenset({_T.detach, _T.data.__get__, _T.tolist, _T.item, _T.n
 _IN_PLACE_EXCEPTIONS = frozenset({"requires_grad_", "share_memory_"})
 
 
-class ShardedParameterWriteError(RuntimeError):
-    """User code wrote into a stage-3 parameter while its unit was sharded (the write would be lost)."""
+class HidingUnit(Protocol):
+    """The unit that hides its parameters: a ``ShardedUnit`` (``unit.py``), named here by its shape so that the two
+    modules do not import each other."""
 
+    name: str
+    params: list[nn.Parameter]
+    param_names: list[str]
 
-class ShardedParameterReadError(RuntimeError):
-    """A stage-3 parameter was read, outside its unit's forward, in a way that cannot be served (see
-    [Note: reading a sharded parameter])."""
+    def read_values(self, params: list[nn.Parameter]) -> list[torch.Tensor]: ...
 
 
 def passthrough() -> torch._C.DisableTorchFunctionSubclass:
@@ -154,7 +156,7 @@ class _Hidden:
     """Mixed into a parameter's class while its unit is sharded (see the note above)."""
 
     __slots__ = ()
-    _unit: weakref.ref[ShardedUnit]
+    _unit: weakref.ref[HidingUnit]
     _visible: type
 
     @classmethod
@@ -220,7 +222,7 @@ def _writes(func: Any, args: tuple, kwargs: dict, hidden: list[nn.Parameter]) ->
     return out is not None and bool(_hidden_in(out))
 
 
-def owner_of(param: nn.Parameter) -> tuple[ShardedUnit | None, str | None]:
+def owner_of(param: nn.Parameter) -> tuple[HidingUnit | None, str | None]:
     """The unit a hidden parameter belongs to and its name there; ``(unit, None)`` if it is not one of the unit's
     parameters (a copy), ``(None, "?")`` if the unit no longer exists."""
     unit = type(param)._unit()
@@ -333,7 +335,7 @@ def _keep_read_only(result: Any, storages: set[int], source: str) -> Any:
 
 def _read(func: Any, args: tuple, kwargs: dict, hidden: list[nn.Parameter]) -> Any:
     """Run ``func`` on the gathered values of the hidden parameters among its arguments."""
-    owners: dict[int, tuple[ShardedUnit, list[nn.Parameter]]] = {}
+    owners: dict[int, tuple[HidingUnit, list[nn.Parameter]]] = {}
     for param in hidden:
         unit, _ = owner_of(param)
         if unit is None:
@@ -367,7 +369,7 @@ def _substitute(tree: Any, values: dict[int, torch.Tensor]) -> Any:
     return tree
 
 
-def hide(params: list[nn.Parameter], unit: ShardedUnit, classes: dict[type, type]) -> None:
+def hide(params: list[nn.Parameter], unit: HidingUnit, classes: dict[type, type]) -> None:
     """Switch ``params`` (of ``unit``) to their hidden classes (``classes`` caches them per original class)."""
     for param in params:
         cls = type(param)

@@ -10,7 +10,7 @@ A checkpoint is committed by one rename, and everything else a save writes lies 
   ``NAME``; ``os.replace`` of a file is atomic on POSIX, and so is renaming a directory onto a name
   that does not exist.
 - A sharded checkpoint that replaces one of the same name is committed *inside* the existing
-  directory (see [Note: sharded layout] in ``engine/checkpoint.py``): its shards go into a new
+  directory (see [Note: sharded layout] in ``engine/checkpoint/sharded.py``): its shards go into a new
   ``shards-<token>`` subdirectory and the save is committed by replacing the ``meta.pt`` file that
   names it, so ``NAME`` exists and is complete at every moment, on any POSIX file system.
 - What cannot be committed either way (a file replaced by a directory or the other way round, a

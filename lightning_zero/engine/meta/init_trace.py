@@ -30,12 +30,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_zero.engine.init_calls import InitCallObserver
-
-
-class MetaInitError(ValueError):
-    """A model built on the meta device cannot be initialized as an ordinary construction would (raised on
-    every rank alike, at the same point)."""
+from lightning_zero.engine.errors import MetaInitError
+from lightning_zero.engine.meta.init_calls import InitCallObserver
 
 
 class _TargetDevice:

@@ -22,13 +22,13 @@ identity, chosen by rank 0 and written three times: in the subdirectory's name, 
 (``lightning_zero.save_id``) and, as a small tensor ``lightning_zero/save/<rank>``, into every rank's
 ``.distcp`` file. ``meta.pt`` is the commit record: a save writes a new subdirectory, then replaces
 ``meta.pt`` (one atomic rename), then deletes the other subdirectories (see [Note: crash-safe saves]
-in ``engine/files.py``). A loader reads only the subdirectory ``meta.pt`` names and refuses any file
+in ``engine/io/files.py``). A loader reads only the subdirectory ``meta.pt`` names and refuses any file
 whose identity differs (a shard copied from another save or run). Format 1 (DCP's files directly in
 the directory, no identity) still loads, with a warning.
 
 The same pieces, described as ``FlatPiece``s with the full shapes instead of DTensors, make the
 default ``"full"`` format (one ordinary ``torch.save`` file, written by all ranks in parallel, see
-[Note: parallel full file] in ``engine/torch_file.py``).
+[Note: parallel full file] in ``engine/io/torch_file.py``).
 """
 
 from __future__ import annotations
@@ -50,22 +50,19 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from torch.optim import Optimizer
 
-from lightning_zero.engine.checksums import StoredEntry, entry_checksums, share_by_size
-from lightning_zero.engine.files import atomic_torch_save, commit, hold, release, temporary_path
-from lightning_zero.engine.optimizer import is_param_shaped
-from lightning_zero.engine.safe_read import SAVE_ID_PREFIX, CorruptCheckpointError, SafeFileSystemReader
+from lightning_zero.engine.core.optimizer import is_param_shaped
+from lightning_zero.engine.errors import CheckpointMismatchError
+from lightning_zero.engine.io.checksums import StoredEntry, entry_checksums, share_by_size
+from lightning_zero.engine.io.files import atomic_torch_save, commit, hold, release, temporary_path
+from lightning_zero.engine.io.safe_read import SAVE_ID_PREFIX, CorruptCheckpointError, SafeFileSystemReader
+from lightning_zero.engine.io.torch_file import FlatPiece
 from lightning_zero.engine.sharded_model import ShardedModel
-from lightning_zero.engine.torch_file import FlatPiece
 
 FORMAT_VERSION = 2
 META_FILE = "meta.pt"
 MODEL_PREFIX = "model/"
 SHARDS_PREFIX = "shards-"
 CHECKSUMS_KEY = "checksums"  # in meta.pt's lightning_zero section: see [Note: shard checksums]
-
-
-class CheckpointMismatchError(ValueError):
-    """The checkpoint does not fit the model (names or shapes differ)."""
 
 
 def _piece(local: torch.Tensor, offset: int, numel: int, mesh: DeviceMesh) -> DTensor:
@@ -252,7 +249,7 @@ def plain_module_checkpoint(
 
 def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int) -> dict[str, int]:
     """Every rank writes its pieces of ``state``, and the save's identity, into ``directory`` (a collective); the
-    checksums of the entries this rank wrote (see [Note: shard checksums] in ``engine/checksums.py``)."""
+    checksums of the entries this rank wrote (see [Note: shard checksums] in ``engine/io/checksums.py``)."""
     identity = torch.tensor(list(save_id.encode()), dtype=torch.uint8)
     metadata = dcp.save({**state, f"{SAVE_ID_PREFIX}{rank}": identity}, storage_writer=dcp.FileSystemWriter(directory))
     mine = [entry for entry in stored_entries(metadata) if entry.file.startswith(f"__{rank}_")]
@@ -364,7 +361,7 @@ def write_checkpoint_directory(
     Trainer strategies' ``strategies/saving.py`` writes the same layout, with failure reports from every rank."""
     tmp = temporary_path(path, token)
     lock = None
-    if is_global_zero:  # held before any rank writes into it (see [Note: crash-safe saves] in engine/files.py)
+    if is_global_zero:  # held before any rank writes into it (see [Note: crash-safe saves] in engine/io/files.py)
         path.parent.mkdir(parents=True, exist_ok=True)
         lock = hold(tmp, directory=True)
     try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_zero.engine.init_trace import InitTrace
+from lightning_zero.engine.meta.init_trace import InitTrace
 
 UNKNOWN = -1  # the version of a storage that existed before recording began
 

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_zero.engine.init_trace import MetaInitError
-from lightning_zero.engine.unit import ShardedUnit
-from lightning_zero.engine.weight_files import WeightFiles
+from lightning_zero.engine.core.unit import ShardedUnit
+from lightning_zero.engine.io.weight_files import WeightFiles
+from lightning_zero.engine.meta.init_trace import MetaInitError
 
 
 @dataclass

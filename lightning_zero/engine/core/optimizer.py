@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_zero.engine.layout import ParamShard
+from lightning_zero.engine.core.layout import ParamShard
+from lightning_zero.engine.errors import ShardedOptimizerStateError, UnsupportedOptimizerError
 
 ELEMENTWISE = (
     torch.optim.SGD,
@@ -41,10 +42,6 @@ ELEMENTWISE = (
     torch.optim.Rprop,
 )
 _NOT_ELEMENTWISE_NAMES = {"LBFGS", "Adafactor", "Muon", "SparseAdam", "LAMB", "Lamb", "LARS", "Shampoo"}
-
-
-class UnsupportedOptimizerError(TypeError):
-    """The optimizer's update is not element-wise, so stepping shards would change the result."""
 
 
 def _unsupported(optimizer: Optimizer, why: str) -> UnsupportedOptimizerError:
@@ -147,11 +144,6 @@ def slice_state(key: str, value: object, param: torch.Tensor, piece: ParamShard)
         assert isinstance(value, torch.Tensor)
         return value.detach().reshape(-1)[piece.param_offset : piece.param_offset + piece.numel].clone()
     return value
-
-
-class ShardedOptimizerStateError(RuntimeError):
-    """An optimizer whose per-parameter states stayed sharded when its run ended (their full form did not fit in
-    memory) was asked for its state or to step."""
 
 
 def guard_sharded_state(optimizer: Optimizer, why: str) -> None:

@@ -74,13 +74,13 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine.control import (
+from lightning_zero.engine.comm.control import (
     CollectiveMismatchError,
     ControlChannel,
     PeerFailureError,
     code_of,
 )
-from lightning_zero.engine.control import explain_texts as _explain
+from lightning_zero.engine.comm.control import explain_texts as _explain
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # Below this many elements a gloo all-gather or reduce-scatter is one all-to-all: one collective's latency instead

@@ -48,18 +48,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_zero.engine.errors import CollectiveMismatchError, PeerFailureError
+
 ROW = 8  # integers per agreement row
 LINGER_POLLS = 4  # how long rank 0 waits for the others to read a verdict, in polls (see [Note: every rank is told])
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class CollectiveMismatchError(RuntimeError):
-    """Ranks were about to do different things that must be done together (raised on every rank, naming each
-    rank's action, instead of a deadlock or an exchange of the wrong data)."""
-
-
-class PeerFailureError(RuntimeError):
-    """Another rank failed while this one waited for it in a collective (the message carries its error)."""
 
 
 def code_of(text: str) -> int:

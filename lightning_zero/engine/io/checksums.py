@@ -6,7 +6,7 @@ A zip archive stores a CRC-32 of each record twice: in the record's data descrip
 bytes (``torch.save`` sets flag bit 3, so the local header's own field stays zero), and in the
 record's central-directory entry. ``zipfile``, ``unzip -t`` and every zip tool compare them with the
 bytes; ``torch.load`` does not. The parallel writer (see [Note: parallel full file] in
-``engine/torch_file.py``) writes each tensor record in pieces from several ranks, so no rank sees a
+``engine/io/torch_file.py``) writes each tensor record in pieces from several ranks, so no rank sees a
 whole record:
 
 - every rank computes the CRC-32 of each piece it writes (``zlib.crc32``, about 4 GB/s on one core);
@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import IO, NamedTuple, TypeVar
 
+from lightning_zero.engine.errors import RecordChecksumError
+
 _CRC_POLYNOMIAL = 0xEDB88320  # reflected CRC-32 (zip, zlib)
 _READ_CHUNK = 16 << 20
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")  # signature ... name length, extra length: 30 bytes
@@ -59,10 +61,6 @@ class PieceChecksum(NamedTuple):
     start: int
     length: int
     crc: int
-
-
-class RecordChecksumError(ValueError):
-    """The pieces of a record do not cover it exactly once (an internal error of the writer)."""
 
 
 # ---------------------------------------------------------------------------------------------- crc32_combine

@@ -113,15 +113,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
-from lightning_zero.engine.comm import Comm
-from lightning_zero.engine.unit import ReducedGrads, ShardedUnit
+from lightning_zero.engine.comm.comm import Comm
+from lightning_zero.engine.core.unit import ReducedGrads, ShardedUnit
+from lightning_zero.engine.errors import ShardedGradientError
 
 UnitCallback = Callable[[ShardedUnit], None]
 _aten = torch.ops.aten
-
-
-class ShardedGradientError(RuntimeError):
-    """A module parameter's ``.grad`` was read, but under ZeRO the reduced gradient exists only as shards."""
 
 
 class GradMarker(torch.Tensor):

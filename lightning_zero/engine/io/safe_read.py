@@ -18,7 +18,7 @@ loaded:
   do not overlap, each piece's stored length holds its elements, and the pieces of a tensor cover it
   exactly once; so whatever a loader allocates from the metadata is at most the bytes on disk.
 - **Pieces of one save only.** Every rank's file carries the save's identity (see [Note: sharded
-  layout] in ``engine/checkpoint.py``), compared with the one ``meta.pt`` names.
+  layout] in ``engine/checkpoint/sharded.py``), compared with the one ``meta.pt`` names.
 - A full file is a zip archive (what ``torch.save`` writes) whose records all lie inside the file,
   checked with ``zipfile`` before ``torch.load``, which itself refuses storages larger than their
   records; it is mapped (``mmap=True``), so a rank reads only the pages it uses.
@@ -55,31 +55,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_zero.engine import checksums
-
-
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint's files are missing, truncated, from another save or not what a checkpoint holds;
-    nothing was loaded."""
-
-
-class UnsafeCheckpointError(pickle.UnpicklingError):
-    """The file holds objects only arbitrary pickled code can rebuild; it was not loaded.
-
-    ``reason`` says what was refused, ``advice`` how to load the file anyway if it is trusted (a command line
-    replaces it with its own flag). Example::
-
-        error = UnsafeCheckpointError("'a.ckpt' holds ...", advice="If you trust the file, pass weights_only=False.")
-        str(error)      # "'a.ckpt' holds .... If you trust the file, pass weights_only=False."
-    """
-
-    def __init__(self, reason: str, advice: str = "") -> None:
-        super().__init__(f"{reason}. {advice}" if advice else reason)
-        self.reason = reason
-        self.advice = advice
-
-    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt from its parts (the message is made of them)
-        return type(self), (self.reason, self.advice)
+from lightning_zero.engine.errors import CorruptCheckpointError, UnsafeCheckpointError
+from lightning_zero.engine.io import checksums
 
 
 def _torch_refusal(error: BaseException) -> str:
@@ -375,7 +352,7 @@ def load_torch_file(path: Path, weights_only: bool | None, verify: bool = True) 
 
 def check_records(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
     """This rank's share of the check of a full checkpoint file's record checksums (all of them with the defaults):
-    what is wrong, or ``None`` (see [Note: record checksums] in ``engine/checksums.py``). A file that is not a
+    what is wrong, or ``None`` (see [Note: record checksums] in ``engine/io/checksums.py``). A file that is not a
     zip archive has no checksums to check. The ranks must then agree on the verdict."""
     with open_regular(path) as stream:
         if stream.read(4) != b"PK\x03\x04":

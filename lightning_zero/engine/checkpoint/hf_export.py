@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_zero.engine.unit import ShardedUnit
+from lightning_zero.engine.core.unit import ShardedUnit
 
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lightning_zero.engine.comm import Comm
+from lightning_zero.engine.comm.comm import Comm
 
 ShardSize = int | Literal["node"] | None
 

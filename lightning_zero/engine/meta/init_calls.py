@@ -34,13 +34,11 @@ import inspect
 import sys
 from pathlib import Path
 from types import CodeType, FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from lightning_zero.engine.init_trace import InitTrace
 
 # [Note: seeds while recording]
 # Random ops on meta draw nothing, so the replay draws them all, from the generator's state when recording began.
@@ -79,6 +77,20 @@ def _init_functions() -> dict[CodeType, Any]:
     return functions
 
 
+class CallRecorder(Protocol):
+    """What the observer records into: an ``InitTrace`` (``init_trace.py``), named here by its shape so that the
+    two modules do not import each other."""
+
+    device: torch.device
+    calls_observed: bool
+    generator_state_read: bool
+    suppressed: int
+
+    def add_call(self, function: Any, arguments: dict[str, Any], random: bool) -> None: ...
+
+    def add_seed(self, generator: torch.Generator) -> None: ...
+
+
 class InitCallObserver:
     """While recording, records ``torch.nn.init`` calls on meta tensors whole and runs transformers'
     ``initialize_weights()`` where it skips it (see [Note: init calls on meta]).
@@ -89,7 +101,7 @@ class InitCallObserver:
             model = Net()
     """
 
-    def __init__(self, trace: InitTrace) -> None:
+    def __init__(self, trace: CallRecorder) -> None:
         self.trace = trace
         self.init_functions = _init_functions()
         self._init_weights_code: Any = None

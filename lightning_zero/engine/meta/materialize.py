@@ -60,10 +60,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_zero.engine.grouping import UnitPlan
-from lightning_zero.engine.init_calls import uninitialized_library_modules
-from lightning_zero.engine.init_plan import Version, plan_replay
-from lightning_zero.engine.init_trace import (
+from lightning_zero.engine.core.grouping import UnitPlan
+from lightning_zero.engine.core.layout import ShardLayout
+from lightning_zero.engine.meta.init_calls import uninitialized_library_modules
+from lightning_zero.engine.meta.init_plan import Version, plan_replay
+from lightning_zero.engine.meta.init_trace import (
     TARGET_DEVICE,
     InitStep,
     InitTrace,
@@ -72,7 +73,6 @@ from lightning_zero.engine.init_trace import (
     set_generator_state,
     storage_key,
 )
-from lightning_zero.engine.layout import ShardLayout
 
 
 def has_meta_tensors(module: nn.Module) -> bool:

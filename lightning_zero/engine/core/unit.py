@@ -131,10 +131,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lightning_zero.engine.comm import Comm, Pending
-from lightning_zero.engine.layout import ParamShard, ShardLayout
-from lightning_zero.engine.param_checks import check_unit_params
-from lightning_zero.engine.placeholder import (
+from lightning_zero.engine.comm.comm import Comm, Pending
+from lightning_zero.engine.core.layout import ParamShard, ShardLayout
+from lightning_zero.engine.core.param_checks import check_unit_params
+from lightning_zero.engine.core.placeholder import (
     ShardedParameterReadError,
     ShardedParameterWriteError,
     hide,

@@ -8,7 +8,7 @@ can be written by anyone who knows where the record starts. So a full checkpoint
 
 1. Every rank describes its part: each parameter and per-element optimizer state is a ``FlatPiece``,
    the elements ``[offset, offset + local.numel())`` of the flattened full tensor that this rank's
-   shard holds (see [Note: flat layout] in ``engine/layout.py``).
+   shard holds (see [Note: flat layout] in ``engine/core/layout.py``).
 2. Rank 0 replaces each piece by a ``FakeTensor`` of the full shape and dtype (no memory) and saves
    the whole checkpoint under ``torch.serialization.skip_data``: the archive gets its pickle and
    its records' headers, with space left (a sparse hole) where the fake tensors' bytes go. A pickler
@@ -17,7 +17,7 @@ can be written by anyone who knows where the record starts. So a full checkpoint
    ``step`` counters, Lightning's own) and broadcasts the offsets.
 3. Every rank writes its pieces at ``record offset + offset * element size`` with ``pwrite``, in
    parallel, ``fsync``s, and returns the CRC-32 of each piece; rank 0 joins them into each record's
-   checksum and stores it (see [Note: record checksums] in ``engine/checksums.py``), so the file
+   checksum and stores it (see [Note: record checksums] in ``engine/io/checksums.py``), so the file
    is a valid zip archive that ``zipfile`` and ``unzip -t`` accept, and a load can check its bytes.
 
 ``torch.load`` reads the result like any checkpoint.
@@ -39,8 +39,8 @@ from typing import Any, NamedTuple
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_zero.engine.checksums import PieceChecksum
-from lightning_zero.engine.files import crash_point
+from lightning_zero.engine.io.checksums import PieceChecksum
+from lightning_zero.engine.io.files import crash_point
 
 _WRITE_CHUNK = 1 << 30  # bytes per pwrite call (Linux writes at most ~2 GiB at once)
 

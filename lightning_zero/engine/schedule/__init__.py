@@ -1,0 +1,5 @@
+"""The runtime schedule: when units gather, release and prefetch in forward and backward (``stage3``), how
+gradients are reduced from backward hooks (``grads``), and what runs under ``torch.compile`` (``compiled``).
+
+Imports ``engine.core``, ``engine.comm``, ``engine.errors`` and torch.
+"""
