@@ -25,10 +25,11 @@ from torch import nn
 from benchmarks.results import report_json
 from benchmarks.trainer_mode import BARE_TRAINER
 from lightning_zero import ZeRO3Strategy
+from lightning_zero.driver import checkpointing
+from lightning_zero.engine.checkpoint import saving
 from lightning_zero.engine.checkpoint import sharded as engine_checkpoint
 from lightning_zero.engine.io import checksums
 from lightning_zero.processes import run_on_cpu_ranks
-from lightning_zero.strategies import checkpointing, saving
 
 
 class Stack(L.LightningModule):

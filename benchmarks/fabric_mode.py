@@ -74,7 +74,8 @@ def measure_fabric(
         fabric.launch()
         model = fabric.setup_module(build_model(config, state))
         optimizer = fabric.setup_optimizers(adamw.make(model.parameters()))
-        sharded = getattr(fabric.strategy, "_sharded", None)
+        driver = getattr(fabric.strategy, "driver", None)  # lightning_zero.fabric strategies only
+        sharded = driver.sharded if driver is not None else None
         if isinstance(model._forward_module, DistributedDataParallel):
             register_counted_allreduce(model._forward_module)
 

@@ -12,22 +12,59 @@ Fabric users: ``Fabric(strategy="zero3")`` after the same import, or the classes
 
 ``lightning_zero.check_parity(model, stage=3)`` trains a few steps of your module under ``DDPStrategy``
 and under a stage, and reports loss, gradient-norm and parameter differences.
+
+The errors the strategies raise on purpose (``lightning_zero.CheckpointSaveError``, ``CollectiveMismatchError``,
+``PeerFailureError``, ...) are exported here; they are defined in ``lightning_zero.engine.errors``.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero import fabric  # registers "zero1", "zero2" and "zero3" with Fabric
+from lightning_zero.driver.checkpointing import consolidate as consolidate_checkpoint
+from lightning_zero.engine.errors import (
+    CheckpointMismatchError,
+    CheckpointSaveError,
+    CollectiveMismatchError,
+    CorruptCheckpointError,
+    FoldedModuleError,
+    MetaInitError,
+    NonFiniteGradientError,
+    PeerFailureError,
+    RecordChecksumError,
+    ShardedGradientError,
+    ShardedOptimizerStateError,
+    ShardedParameterReadError,
+    ShardedParameterWriteError,
+    UnsafeCheckpointError,
+    UnsupportedOptimizerError,
+    WeightsOnlyCheckpointError,
+)
 from lightning_zero.estimate import MemoryEstimate, StrategyEstimate, estimate_memory
 from lightning_zero.parity import ParityReport, check_parity
 from lightning_zero.pretrained import export_pretrained, from_pretrained, load_weights
 from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
-from lightning_zero.strategies.checkpointing import consolidate as consolidate_checkpoint
 
 __version__ = "0.1.0"
 __all__ = [
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "CollectiveMismatchError",
+    "CorruptCheckpointError",
+    "FoldedModuleError",
     "MemoryEstimate",
+    "MetaInitError",
+    "NonFiniteGradientError",
     "ParityReport",
+    "PeerFailureError",
+    "RecordChecksumError",
+    "ShardedGradientError",
+    "ShardedOptimizerStateError",
+    "ShardedParameterReadError",
+    "ShardedParameterWriteError",
     "StrategyEstimate",
+    "UnsafeCheckpointError",
+    "UnsupportedOptimizerError",
+    "WeightsOnlyCheckpointError",
     "ZeRO1Strategy",
     "ZeRO2Strategy",
     "ZeRO3Strategy",

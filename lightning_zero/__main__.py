@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_zero.strategies.checkpointing import consolidate
+from lightning_zero.driver.checkpointing import consolidate
 
 
 def main(argv: Sequence[str] | None = None) -> int:

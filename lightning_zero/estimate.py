@@ -25,26 +25,28 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from torch import nn
 
 from lightning_zero.engine.comm.mesh import resolve_shard_size
 from lightning_zero.engine.core.grouping import module_class_policy, plan_units
 from lightning_zero.engine.core.layout import ShardLayout
-from lightning_zero.estimate_text import format_bytes, format_seconds, render
+from lightning_zero.estimate_report import (
+    INTER_NODE_GBPS,
+    INTRA_NODE_GBPS,
+    PCIE_GBPS,
+    Dtypes,
+    MemoryEstimate,
+    StateBytes,
+    StrategyEstimate,
+    format_bytes,
+    format_seconds,
+)
 
 PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}  # as Lightning reads them
-#: Default bus bandwidth (GB/s) within one node: NVLink class, below the 230-250 GB/s all-reduce bus
-#: bandwidth nccl-tests reports for 8 x A100 SXM4 (H100 SXM reaches about 450).
-INTRA_NODE_GBPS = 200.0
-#: Default bus bandwidth (GB/s) across nodes: one 200 Gb/s InfiniBand (HDR) or RoCE link per GPU.
-INTER_NODE_GBPS = 25.0
-#: Default host-device bandwidth (GB/s) per device: PCIe Gen4 x16 in practice (Gen5 reaches about 50).
-PCIE_GBPS = 25.0
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _BYTE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -92,178 +94,6 @@ def parse_bytes(text: str | float) -> float:
     if not value > 0 or math.isinf(value):
         raise ValueError(f"a size in bytes must be positive, got {text!r}")
     return value
-
-
-# ---------------------------------------------------------------------------------------------- results
-class Dtypes(NamedTuple):
-    """Bytes per element that a precision implies (see the module docstring for the letters)."""
-
-    precision: str
-    compute: int  # c: the parameters forward and backward run on
-    master: int  # m: the copy the optimizer steps; sharded gradients are kept in this dtype too
-    separate_master: bool  # whether the master is a copy of its own (mixed precision)
-    optimizer_states: float  # K: per parameter, all states together (Adam: 2 x master bytes)
-    reduce: int  # r: gradients are reduce-scattered in this dtype
-    ddp: int  # p: DDP's parameters and gradients (fp32 under Lightning's autocast mixed precision)
-
-
-class StateBytes(NamedTuple):
-    """Bytes per rank in one place (the device, or CPU memory)."""
-
-    params: float
-    grads: float
-    master: float
-    optimizer_states: float
-
-    @property
-    def total(self) -> float:
-        return self.params + self.grads + self.master + self.optimizer_states
-
-
-@dataclass(frozen=True)
-class StrategyEstimate:
-    """One row: what one rank holds and sends per optimizer step under one strategy."""
-
-    strategy: str  # what to pass as Trainer(strategy=...): "ddp", "zero1", "zero2" or "zero3"
-    device: StateBytes  # persistent, on the device
-    cpu: StateBytes  # persistent, in CPU memory (offload_optimizer, offload_params)
-    gathered: float | None  # stage 3's transient gathered units (None: not known, 0: no such buffers)
-    comm_bytes: float  # sent per rank per optimizer step (intra_node_bytes + inter_node_bytes)
-    comm_seconds: float  # network time per step: each level's bytes at its bandwidth
-    fits: bool | None  # device_peak <= memory_per_device (None: no memory_per_device given)
-    intra_node_bytes: float = 0.0  # of comm_bytes: in collectives whose group stays inside one node
-    inter_node_bytes: float = 0.0  # of comm_bytes: in collectives whose group spans nodes
-    host_bytes: float = 0.0  # copied between the device and CPU memory per step (offload)
-    host_seconds: float = 0.0  # those copies at the host-device bandwidth
-    shard_size: int | None = None  # ranks per shard group (None: DDP, nothing sharded)
-    offload_optimizer: bool = False
-    offload_params: bool = False
-
-    @property
-    def stage(self) -> int | None:
-        return None if self.strategy == "ddp" else int(self.strategy[-1])
-
-    @property
-    def label(self) -> str:
-        return "DDP" if self.stage is None else f"stage {self.stage}"
-
-    @property
-    def transfer_seconds(self) -> float:
-        """Network and host-device time per step, without overlap (what the recommendation minimises)."""
-        return self.comm_seconds + self.host_seconds
-
-    def options(self, world_size: int) -> dict[str, Any]:
-        """The strategy's arguments this row assumes beyond the defaults (``ZeRO3Strategy(**options)``)."""
-        options: dict[str, Any] = {}
-        if self.shard_size is not None and self.shard_size != world_size:
-            options["shard_size"] = self.shard_size
-        if self.offload_optimizer:
-            options["offload_optimizer"] = True
-        if self.offload_params:
-            options["offload_params"] = True
-        return options
-
-    def describe(self, world_size: int) -> str:
-        """``stage 3 (ZeRO3Strategy(shard_size=8, offload_optimizer=True))`` or ``DDP (strategy='ddp')``."""
-        if self.stage is None:
-            return "DDP (strategy='ddp')"
-        options = ", ".join(f"{k}={v!r}" for k, v in self.options(world_size).items())
-        return (
-            f"{self.label} (ZeRO{self.stage}Strategy({options}))"
-            if options
-            else (f"{self.label} (strategy={self.strategy!r})")
-        )
-
-    @property
-    def device_peak(self) -> float:
-        """Persistent device bytes plus stage 3's gathered units (where known)."""
-        return self.device.total + (self.gathered or 0.0)
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """The result of ``estimate_memory``: one ``StrategyEstimate`` per strategy and what they assume."""
-
-    numel: int
-    trainable_numel: int
-    devices: int
-    nodes: int
-    dtypes: Dtypes
-    offload_optimizer: bool
-    bandwidth_gbps: float
-    bandwidth_source: str
-    memory_per_device: float | None
-    rows: tuple[StrategyEstimate, ...]
-    recommended: StrategyEstimate | None
-    recommendation: str
-    notes: tuple[str, ...] = field(default=())
-    units: int | None = None  # from a model: how many units the engine would make
-    shard_size: int | None = None  # ranks per shard group of the ZeRO rows (None: all)
-    offload_params: bool = False
-    intra_node_gbps: float = INTRA_NODE_GBPS
-    inter_node_gbps: float = INTER_NODE_GBPS
-    pcie_gbps: float = PCIE_GBPS
-
-    @property
-    def world_size(self) -> int:
-        return self.devices * self.nodes
-
-    def row(self, strategy: str) -> StrategyEstimate:
-        """The row of ``strategy`` ("ddp", "zero1", "zero2" or "zero3")."""
-        for row in self.rows:
-            if row.strategy == strategy:
-                return row
-        raise KeyError(f"no row {strategy!r}; rows: {[r.strategy for r in self.rows]}")
-
-    def table(self) -> str:
-        """The rows as an aligned text table, with the assumptions and the recommendation below it."""
-        return render(self)
-
-    def __str__(self) -> str:
-        return self.table()
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-serialisable): inputs, dtypes, rows in bytes and seconds, recommendation."""
-        return {
-            "numel": self.numel,
-            "trainable_numel": self.trainable_numel,
-            "devices": self.devices,
-            "nodes": self.nodes,
-            "world_size": self.world_size,
-            "units": self.units,
-            "dtypes": self.dtypes._asdict(),
-            "offload_optimizer": self.offload_optimizer,
-            "offload_params": self.offload_params,
-            "shard_size": self.shard_size,
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "bandwidth_source": self.bandwidth_source,
-            "intra_node_gbps": self.intra_node_gbps,
-            "inter_node_gbps": self.inter_node_gbps,
-            "pcie_gbps": self.pcie_gbps,
-            "memory_per_device": self.memory_per_device,
-            "rows": [
-                {
-                    "strategy": r.strategy,
-                    "stage": r.stage,
-                    "device": {**r.device._asdict(), "total": r.device.total},
-                    "cpu": {**r.cpu._asdict(), "total": r.cpu.total},
-                    "gathered": r.gathered,
-                    "device_peak": r.device_peak,
-                    "comm_bytes": r.comm_bytes,
-                    "intra_node_bytes": r.intra_node_bytes,
-                    "inter_node_bytes": r.inter_node_bytes,
-                    "comm_seconds": r.comm_seconds,
-                    "host_bytes": r.host_bytes,
-                    "host_seconds": r.host_seconds,
-                    "fits": r.fits,
-                }
-                for r in self.rows
-            ],
-            "recommended": None if self.recommended is None else self.recommended.strategy,
-            "recommended_options": None if self.recommended is None else self.recommended.options(self.world_size),
-            "recommendation": self.recommendation,
-            "notes": list(self.notes),
-        }
 
 
 # ---------------------------------------------------------------------------------------------- counting

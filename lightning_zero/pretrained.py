@@ -147,7 +147,7 @@ def export_pretrained(
     import torch
     import transformers
 
-    from lightning_zero.strategies.checkpointing import consolidate, save_safetensors
+    from lightning_zero.driver.checkpointing import consolidate, save_safetensors
 
     model_class = model_class or transformers.AutoModelForCausalLM
     if not isinstance(config, transformers.PretrainedConfig):

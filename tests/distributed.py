@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from lightning_zero.processes import free_port, run_on_cpu_ranks
 
-__all__ = ["free_port", "spawn"]
+__all__ = ["free_port", "spawn", "spawn_killed"]
 
 _PRELOAD = ["torch", "torch.distributed", "torchmetrics", "lightning.pytorch", "lightning.fabric", "lightning_zero"]
 mp.set_forkserver_preload([*_PRELOAD, "tests.models"])
@@ -40,3 +40,14 @@ def spawn(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` processes; return the values by rank."""
     return run_on_cpu_ranks(fn, world_size, timeout=timeout, start_method="forkserver", rendezvous=rendezvous, **kwargs)
+
+
+def spawn_killed(fn: Callable[..., Any], timeout: float = 300.0, **kwargs: Any) -> None:
+    """Run ``fn`` on 2 ranks that are to be killed (a crash point, ``LIGHTNING_ZERO_KILL_AT``): the harness sees the
+    killed rank exit, or the other rank's error about it, whichever comes first; anything else fails the test."""
+    import signal
+
+    import pytest
+
+    with pytest.raises(RuntimeError, match=f"exited with code {-signal.SIGKILL}|another rank exited or was killed"):
+        spawn(fn, world_size=2, timeout=timeout, **kwargs)

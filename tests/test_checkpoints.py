@@ -304,7 +304,7 @@ def test_another_tools_sharded_checkpoint_is_named_as_such(checkpoints: str, tmp
 
 
 def _resume_weights_only(rank: int, world_size: int, root: str) -> None:
-    from lightning_zero.strategies.checkpointing import WeightsOnlyCheckpointError
+    from lightning_zero.driver.checkpointing import WeightsOnlyCheckpointError
 
     sharded = ZeRO2Strategy(checkpoint_format="sharded")
     quiet_trainer(strategy=sharded, devices=world_size, max_steps=2, callbacks=[_SaveWeightsOnly(root)]).fit(_model())

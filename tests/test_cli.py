@@ -92,7 +92,7 @@ def _fit(rank: int, world_size: int, root: str) -> dict[str, dict[str, Any]]:
             "unit_modules": strategy.unit_modules,
             "checkpoint_format": strategy.checkpoint_format,
             "broadcast_buffers": strategy.broadcast_buffers,
-            "timeout": strategy._timeout,
+            "timeout": strategy.timeout,
             "precision": strategy.precision_plugin.precision,
             "reduce_dtype": strategy.reduce_dtype,
             "world_size": trainer.world_size,

@@ -24,8 +24,8 @@ def test_registry_lists_every_stage_and_preset_with_a_description() -> None:
     for stage, cls in ((1, ZeRO1Strategy), (2, ZeRO2Strategy), (3, ZeRO3Strategy)):
         for suffix, attribute, value in (
             ("", "checkpoint_format", "full"),
-            ("_spawn", "_start_method", "spawn"),
-            ("_fork", "_start_method", "fork"),
+            ("_spawn", "start_method", "spawn"),
+            ("_fork", "start_method", "fork"),
             ("_full_checkpoint", "checkpoint_format", "full"),
             ("_sharded_checkpoint", "checkpoint_format", "sharded"),
             ("_stats", "log_stats", True),

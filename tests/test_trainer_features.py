@@ -15,9 +15,9 @@ from torch import nn
 
 import lightning_zero  # noqa: F401  registers the strategy names
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
+from lightning_zero.driver.checkpointing import consolidate
 from lightning_zero.engine import UnsupportedOptimizerError
 from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
-from lightning_zero.strategies.checkpointing import consolidate
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 

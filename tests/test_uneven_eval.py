@@ -103,7 +103,8 @@ class Record(L.Callback):
         self.validations.append({k: float(v) for k, v in sorted(trainer.callback_metrics.items())})
 
     def _count(self, trainer: L.Trainer) -> None:
-        sharded = getattr(trainer.strategy, "_sharded", None)
+        driver = getattr(trainer.strategy, "driver", None)  # None under DDPStrategy
+        sharded = driver.sharded if driver is not None else None
         if sharded is not None:
             self.gathers = sharded.comm.stats.calls("all_gather")
 

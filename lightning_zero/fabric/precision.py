@@ -19,9 +19,10 @@ from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Pr
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_zero.engine import ShardedModel
+from lightning_zero.driver.config import PRECISIONS, NonFinitePolicy
 from lightning_zero.engine.core.scaler import ShardedGradScaler
-from lightning_zero.strategies.precision import PRECISIONS, NonFiniteGradientError, NonFinitePolicy
+from lightning_zero.engine.errors import NonFiniteGradientError
+from lightning_zero.engine.sharded_model import ShardedModel
 
 
 def check_precision(plugin: Precision, param_dtype: torch.dtype | None) -> torch.dtype | None:

@@ -7,8 +7,8 @@ from typing import ClassVar
 from lightning.fabric.strategies import _StrategyRegistry
 from typing_extensions import override
 
+from lightning_zero.driver.registry import register_presets
 from lightning_zero.fabric.strategy import ZeROFabricStrategy
-from lightning_zero.strategies.registry import register_presets
 
 
 class ZeRO1Strategy(ZeROFabricStrategy):
@@ -29,7 +29,7 @@ class ZeRO1Strategy(ZeROFabricStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_presets(strategy_registry, cls, "zero1", "ZeRO stage 1: optimizer states sharded")
+        register_presets(strategy_registry, cls)
 
 
 class ZeRO2Strategy(ZeROFabricStrategy):
@@ -48,7 +48,7 @@ class ZeRO2Strategy(ZeROFabricStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_presets(strategy_registry, cls, "zero2", "ZeRO stage 2: optimizer states and gradients sharded")
+        register_presets(strategy_registry, cls)
 
 
 class ZeRO3Strategy(ZeROFabricStrategy):
@@ -71,6 +71,4 @@ class ZeRO3Strategy(ZeROFabricStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_presets(
-            strategy_registry, cls, "zero3", "ZeRO stage 3: optimizer states, gradients and parameters sharded"
-        )
+        register_presets(strategy_registry, cls)

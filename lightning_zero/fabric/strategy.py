@@ -17,72 +17,39 @@ states. This class connects them at the hooks Fabric calls:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from datetime import timedelta
+from collections.abc import Callable, Generator, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed
-import torch.distributed as dist
-from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.init import _EmptyInit
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import Comm, ShardedModel, module_class_policy
-from lightning_zero.engine.checkpoint.hf_export import write_hf_checkpoint
-from lightning_zero.engine.comm.comm import CollectiveChecks
-from lightning_zero.engine.comm.control import ControlChannel
-from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
-from lightning_zero.engine.comm.process_exit import destroy_at_exit
+from lightning_zero.driver.config import CheckpointFormat
+from lightning_zero.driver.options import ZeROOptions
+from lightning_zero.driver.topology import ProcessTopology
 from lightning_zero.engine.core.placeholder import refuse_module_sharded_elsewhere
-from lightning_zero.engine.free_memory import kept_sharded_text
-from lightning_zero.engine.meta.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
 from lightning_zero.engine.meta.materialize import has_meta_tensors
-from lightning_zero.engine.sharded_model import check_offload_params
 from lightning_zero.fabric import checkpoint
 from lightning_zero.fabric.precision import check_precision, shard_scaler, skip_nonfinite_step
 from lightning_zero.fabric.wrapper import ShardedForward, StepBracket, ZeROBackwardSyncControl
-from lightning_zero.strategies import agreement
-from lightning_zero.strategies.options import (
-    CheckpointFormat,
-    StartMethod,
-    bucket_numel,
-    check_option_names,
-    default_bucket_size_mb,
-    parse_dtype,
-    validate_options,
-    validate_overlap_options,
-)
-from lightning_zero.strategies.precision import NonFinitePolicy
-from lightning_zero.strategies.topology import ProcessTopology
 
 USER_REDUCE = "fabric.all_reduce in user code"
 
 
-class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
+class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
     """Shared base of the Fabric ``ZeRO1Strategy``, ``ZeRO2Strategy`` and ``ZeRO3Strategy``; use those.
 
     The options mean what they mean for the Trainer strategies (``lightning_zero.ZeROStrategy``), with
@@ -98,126 +65,55 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
     """
 
     stage: ClassVar[int]
+    default_checkpoint_format: ClassVar[CheckpointFormat] = "sharded"
+    unsupported_options: ClassVar[tuple[str, ...]] = ("log_stats",)  # Fabric's loop logs; the strategy cannot
+    set_up_by: ClassVar[str] = "fabric.setup(model, ...)"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> ZeROFabricStrategy:
-        check_option_names(cls, kwargs)  # a misspelt option lists the valid ones
-        return super().__new__(cls)
-
-    def __init__(
-        self,
-        unit_modules: Sequence[type[Module] | str] | None = None,
-        broadcast_buffers: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta = default_pg_timeout,
-        checkpoint_format: CheckpointFormat = "sharded",
-        nonfinite_grads: NonFinitePolicy = "raise",
-        collective_checks: CollectiveChecks = "auto",
-        param_dtype: torch.dtype | str | None = None,
-        reduce_dtype: torch.dtype | str | None = None,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
-        meta_init: bool | None = None,
-        bucket_size_mb: float | None = None,
-        prefetch: int = 1,
-        reshard_after_forward: bool = True,
-        shard_size: ShardSize = None,
-        start_method: StartMethod = "popen",
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision: Precision | None = None,
-    ) -> None:
-        validate_options(
-            unit_modules=unit_modules,
-            broadcast_buffers=broadcast_buffers,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            checkpoint_format=checkpoint_format,
-            start_method=start_method,
-            log_stats=False,
-            nonfinite_grads=nonfinite_grads,
-            collective_checks=collective_checks,
-            offload_optimizer=offload_optimizer,
-            meta_init=meta_init,
-        )
-        validate_overlap_options(self.stage, bucket_size_mb, prefetch, reshard_after_forward)
-        check_offload_params(self.stage, offload_params)
-        check_shard_size(shard_size)
-        self.shard_size = shard_size
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision=precision,
-        )
-        self.unit_modules = None if unit_modules is None else list(unit_modules)
-        self.broadcast_buffers = broadcast_buffers
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self.checkpoint_format = checkpoint_format
-        self.nonfinite_grads = nonfinite_grads
-        self.collective_checks = collective_checks
-        self.param_dtype = parse_dtype("param_dtype", param_dtype)
-        self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype)
-        self.offload_params = offload_params
-        self.offload_optimizer = (
-            offload_optimizer or offload_params
-        )  # see [Note: parameter offload] in engine/core/unit.py
-        self.meta_init = self.stage == 3 if meta_init is None else meta_init
-        self.bucket_size_mb = default_bucket_size_mb(self.stage, unit_modules, bucket_size_mb)
-        self.prefetch = prefetch
-        self.reshard_after_forward = reshard_after_forward
-        self._start_method = start_method
-        self._num_nodes = 1
+    @override
+    def init_door(self) -> None:
         self._backward_sync_control = ZeROBackwardSyncControl()
-        self._sharded: ShardedModel | None = None
-        self._meta_init: InitTrace | None = None
-        self._control: ControlChannel | None = None
         self._steps: StepBracket | None = None
-        self._mesh: DeviceMesh | None = None
         self.skipped_steps = 0
 
     # ------------------------------------------------------------------ processes (as Fabric's DDPStrategy)
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        self.configure_zero_launcher(_ReportingMultiProcessingLauncher, _ReportingSubprocessScriptLauncher)
+        assert isinstance(self._launcher, (_ReportingMultiProcessingLauncher, _ReportingSubprocessScriptLauncher))
+        self._launcher.reporting_to = self
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        self.resolved_shard_size()  # a shard_size that does not divide the world fails here, on every rank
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        created = not (dist.is_available() and dist.is_initialized())
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-        if created:  # see [Note: the process group at exit] in engine/comm/process_exit.py
-            destroy_at_exit()
-        self._control = ControlChannel.create()  # see [Note: agreements] in engine/comm/control.py
+        self.connect_ranks()
+
+    # ------------------------------------------------------------------ failures
+    def on_exception(self, exception: BaseException) -> None:
+        """``exception`` ends this rank's run (as the Trainer's ``on_exception`` hook): unless every rank raises it
+        at the same point, the ranks waiting for this one are told at once, and ``teardown`` then gathers nothing.
+        Called for what the strategy's own calls raise (forward, backward, steps, saves, loads) and for what
+        escapes the function given to ``fabric.launch(fn)``; a script that calls ``fabric.launch()`` with no
+        function can call it in its ``except`` block.
+
+        Example::
+
+            try:
+                train(fabric)
+            except BaseException as error:
+                fabric.strategy.on_exception(error)
+                raise
+        """
+        self.driver.on_exception(exception)
+
+    @contextmanager
+    def _reporting_failures(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as error:
+            self.on_exception(error)
+            raise
 
     # ------------------------------------------------------------------ model and optimizers
-    @property
-    def sharded_model(self) -> ShardedModel:
-        """The engine that holds the shards (after ``fabric.setup`` / ``fabric.setup_module``)."""
-        if self._sharded is None:
-            raise RuntimeError(f"{type(self).__name__} has no model yet: call fabric.setup(model, ...) first")
-        return self._sharded
-
     @override
     @contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -228,8 +124,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             stack.enter_context(self.root_device)
             stack.enter_context(self.precision.module_init_context())
             if self.meta_init and empty_init is not False:
-                stack.enter_context(refuse_plain_from_pretrained())
-                self._meta_init = stack.enter_context(record_meta_init(self.root_device))
+                stack.enter_context(self.driver.recording_init(self.root_device))
             else:
                 stack.enter_context(_EmptyInit(enabled=bool(empty_init)))
             yield
@@ -245,50 +140,33 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
 
     @override
     def setup_module(self, module: Module) -> Module:
-        """Shard ``module`` (in place: it keeps its parameters, which become views of the shards) and return a
-        wrapper whose forward brackets the step (see [Note: Fabric steps] in ``wrapper.py``)."""
-        if self._sharded is not None:
+        """Shard ``module`` (in place: it keeps its parameter objects, whose data become views of the shards) and
+        return a wrapper whose forward brackets the step (see [Note: Fabric steps] in ``wrapper.py``)."""
+        if self.driver.sharded is not None:
             raise RuntimeError(
                 f"{type(self).__name__} shards one model per Fabric; set up the other modules as submodules of one "
                 "nn.Module, or use another Fabric for them"
             )
-        refuse_module_sharded_elsewhere(module)
-        param_dtype = check_precision(self.precision, self.param_dtype)
-        trace = self._meta_init if has_meta_tensors(module) else None
-        policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
-        comm = Comm(checks=self.collective_checks, control=self._control, stage=self.stage)
-        agreement.agree_on_trainable_set(comm, module)
-        self._sharded = ShardedModel(
-            module,
-            stage=self.stage,
-            comm=comm,
-            policy=policy,
-            broadcast_buffers=self.broadcast_buffers,
-            param_dtype=param_dtype,
-            reduce_dtype=self.reduce_dtype,
-            offload_optimizer=self.offload_optimizer,
-            offload_params=self.offload_params,
-            device=self.root_device,
-            meta_init=trace,
-            prefetch=self.prefetch,
-            reshard_after_forward=self.reshard_after_forward,
-            bucket_numel=bucket_numel(self.bucket_size_mb, module),
-            shard_size=self.resolved_shard_size(),
-        )
-        self._meta_init = None
-        shard_scaler(self.precision, self._sharded, self.root_device.type)
+        with self._reporting_failures():
+            refuse_module_sharded_elsewhere(module)
+            param_dtype = check_precision(self.precision, self.param_dtype)
+            sharded = self.driver.shard(
+                module, device=self.root_device, param_dtype=param_dtype, shard_size=self.resolved_shard_size()
+            )
+            shard_scaler(self.precision, sharded, self.root_device.type)
         # The nonfinite policy reads every step whether any rank's gradients hold inf/NaN: the backward pass's
         # flags answer it without a collective of its own (see ``GradReducer.check_finite``).
         has_scaler = getattr(self.precision, "scaler", None) is not None
-        self._sharded.reducer.check_finite = not has_scaler and self.nonfinite_grads != "ignore"
-        self._steps = StepBracket(self._sharded)
+        sharded.reducer.check_finite = not has_scaler and self.nonfinite_grads != "ignore"
+        self._steps = StepBracket(sharded, on_failure=self.on_exception)
         return ShardedForward(module, self._steps)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Let ``optimizer`` (over the module's parameters, built before or after ``setup_module``) step this
         rank's shards: the same object comes back, with the same param groups."""
-        self.sharded_model.bind_optimizer(optimizer)
+        with self._reporting_failures():
+            self.sharded_model.bind_optimizer(optimizer)
         if not self.offload_optimizer:
             _optimizers_to_device([optimizer], self.root_device)
         return optimizer
@@ -299,25 +177,27 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        try:
-            super().backward(tensor, module, *args, **kwargs)
-        finally:
-            self._end_step()
+        with self._reporting_failures():
+            try:
+                super().backward(tensor, module, *args, **kwargs)
+            finally:
+                self._end_step()
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Step this rank's master pieces, then spread the updated shards to every rank. Before the step, every
         rank learns whether any rank's gradients hold ``inf``/``NaN`` (``nonfinite_grads``; with a loss scaler,
         the scaler decides)."""
-        self._end_step()
-        sharded = self.sharded_model
-        scaler = getattr(self.precision, "scaler", None)
-        if scaler is None and self.nonfinite_grads != "ignore":
-            self.skipped_steps += skip_nonfinite_step(sharded, optimizer, self.nonfinite_grads, self.skipped_steps)
-        with sharded.on_shards(optimizer):
-            output = self.precision.optimizer_step(optimizer, **kwargs)
-        sharded.after_optimizer_step(optimizer)
-        return output
+        with self._reporting_failures():
+            self._end_step()
+            sharded = self.sharded_model
+            scaler = getattr(self.precision, "scaler", None)
+            if scaler is None and self.nonfinite_grads != "ignore":
+                self.skipped_steps += skip_nonfinite_step(sharded, optimizer, self.nonfinite_grads, self.skipped_steps)
+            with sharded.on_shards(optimizer):
+                output = self.precision.optimizer_step(optimizer, **kwargs)
+            sharded.after_optimizer_step(optimizer)
+            return output
 
     @override
     def clip_gradients_norm(
@@ -331,22 +211,24 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         """Scale the sharded gradients so that their global norm (the one DDP computes over full gradients) is at
         most ``max_norm``; return that norm before clipping (one all-reduce)."""
         sharded = self.sharded_model
-        with sharded.on_shards(optimizer):
-            self.precision.unscale_gradients(optimizer)
-        total = sharded.grad_norm(optimizer, norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
+        with self._reporting_failures():
+            with sharded.on_shards(optimizer):
+                self.precision.unscale_gradients(optimizer)
+            total = sharded.grad_norm(optimizer, norm_type)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):  # every rank has the same norm
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`"
             )
-        return sharded.clip_grad_norm_(optimizer, float(max_norm), norm_type)
+        with self._reporting_failures():
+            return sharded.clip_grad_norm_(optimizer, float(max_norm), norm_type)
 
     @override
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         """Clamp every gradient element to ``[-clip_val, clip_val]``: element-wise, so done on the shards."""
         sharded = self.sharded_model
-        with sharded.on_shards(optimizer):
+        with self._reporting_failures(), sharded.on_shards(optimizer):
             self.precision.unscale_gradients(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             torch.nn.utils.clip_grad_value_(params, clip_value=clip_val)
@@ -360,9 +242,7 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             with fabric.strategy.gathered_parameters(writable=False):
                 norm = torch.cat([p.flatten() for p in model.parameters()]).norm()
         """
-        if self._sharded is None:
-            return nullcontext()
-        return self._sharded.gathered_parameters(module, writable=writable)
+        return self.driver.gathered_parameters(module, writable)
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The global norm of ``optimizer``'s (sharded) gradients, the same on every rank; a collective."""
@@ -377,50 +257,42 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
             fabric.strategy.save_pretrained(model, "finetuned")
         """
         module = getattr(module, "_original_module", module)  # a module returned by fabric.setup
-        if self._sharded is None:
-            if self.is_global_zero:
-                module.save_pretrained(path)
-            self.barrier("save_pretrained")
-            return
-        write_hf_checkpoint(self._sharded.module, self._sharded.units, module, path, self.global_rank, self.world_size)
-        self.barrier("save_pretrained")
+        root = self.driver.sharded.module if self.driver.sharded is not None else module
+        with self._reporting_failures():
+            self.driver.save_pretrained(root, module, path, lambda: self.barrier("save_pretrained"))
 
     @override
     def teardown(self) -> None:
-        """Make the module and its optimizers plain again (full parameters and per-parameter optimizer
-        states, gathered: call on every rank; what would not fit stays sharded), then Fabric's own teardown."""
-        if self._sharded is not None:
-            kept = self._sharded.release()
-            if kept is not None:  # see [Note: what fits at the end] in engine/free_memory.py
-                rank_zero_warn(kept_sharded_text(kept, fabric=True))
-            self._sharded = None
-            self._steps = None
-        if self._control is not None:  # see [Note: nothing outlives teardown] in engine/comm/control.py
-            self._control.close()
-            self._control = None
+        """Make the module and its optimizers plain again (full parameters and per-parameter optimizer states,
+        gathered: call on every rank; what would not fit stays sharded; after a failure nothing is gathered), then
+        Fabric's own teardown."""
+        steps = self._steps.counts if self._steps is not None else {}
+        self.driver.teardown(lambda: f"teardown after {steps.get('training', 0)} training steps", fabric=True)
+        self.driver.sharded = None  # a Fabric shards one model, once: what stayed sharded is the user's now
+        self._steps = None
         super().teardown()
 
     # ------------------------------------------------------------------ checkpoints
     @property
     def device_mesh(self) -> DeviceMesh:
         """A 1-D mesh over all ranks, for ``torch.distributed.checkpoint``."""
-        if self._mesh is None:
-            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        return self._mesh
+        return self.driver.device_mesh(self.root_device)
 
     @override
     def get_module_state_dict(self, module: Module) -> dict[str, Any]:
         """The full (DDP-shaped) state dict of the sharded module; a collective: call on every rank."""
         module = module.module if isinstance(module, ShardedForward) else module
-        if self._sharded is not None and module is self._sharded.module:
-            return self._sharded.full_state_dict()
+        sharded = self.driver.sharded
+        if sharded is not None and module is sharded.module:
+            return sharded.full_state_dict()
         return module.state_dict()
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The full, per-parameter optimizer state DDP would save; a collective: call on every rank."""
-        if self._sharded is not None and optimizer in self._sharded.optimizers:
-            return self._sharded.full_optimizer_state_dict(optimizer)
+        sharded = self.driver.sharded
+        if sharded is not None and optimizer in sharded.optimizers:
+            return sharded.full_optimizer_state_dict(optimizer)
         return optimizer.state_dict()
 
     @override
@@ -431,17 +303,21 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """``fabric.save``: a sharded directory (``checkpoint_format="sharded"``) or one full file, atomically;
-        call on every rank (see ``lightning_zero/fabric/checkpoint.py``)."""
+        """``fabric.save``: a sharded directory (``checkpoint_format="sharded"``) or one full file that every rank
+        writes its pieces into, through the save protocol of the Trainer's strategies (crash-safe, the same
+        failure reports; see [Note: save protocol] in ``engine/checkpoint/saving.py``); call on every rank."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        if self._sharded is not None:
-            self._sharded.comm.agree_event("save_checkpoint", lambda: f"fabric.save({str(path)!r})")
-        target = Path(self.broadcast(str(path)))
-        if self._sharded is not None and self.checkpoint_format == "sharded":
-            checkpoint.save_sharded_state(self, state, target, filter)
-        else:
-            checkpoint.save_full_state(self, state, target, filter)
+        with self._reporting_failures():
+            sharded = self.driver.sharded
+            if sharded is not None:
+                sharded.comm.agree_event("save_checkpoint", lambda: f"fabric.save({str(path)!r})")
+            target = Path(self.broadcast(str(path)))
+            if sharded is not None and self.checkpoint_format == "sharded":
+                checkpoint.save_sharded_state(self.driver, self.device_mesh, state, target, filter)
+            else:
+                checkpoint.save_full_state(self.driver, state, target, filter, self._convert_stateful_objects_in_state)
+            self.barrier("lightning_zero.save")
 
     @override
     def load_checkpoint(
@@ -453,7 +329,9 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
     ) -> dict[str, Any]:
         """``fabric.load``: either format, written at any world size under any stage, into the shards; the
         entries not restored into ``state`` are returned."""
-        return checkpoint.load_state(self, Path(self.broadcast(str(path))), state, strict, weights_only)
+        with self._reporting_failures():
+            target = Path(self.broadcast(str(path)))
+            return checkpoint.load_state(self.driver, lambda: self.device_mesh, target, state, strict, weights_only)
 
     # ------------------------------------------------------------------ collectives for user code
     @override
@@ -461,19 +339,46 @@ class ZeROFabricStrategy(ProcessTopology, ParallelStrategy):
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            if self._sharded is not None and group is None:
-                # Where ranks that ran different code meet: counted and checked like the engine's own collectives.
-                return agreement.reduce_like_lightning(self._sharded.comm, tensor, reduce_op, USER_REDUCE)
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            # Where ranks that ran different code meet: counted and checked like the engine's own collectives.
+            with self._reporting_failures():
+                return self.driver.reduce(tensor, group, reduce_op, USER_REDUCE)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        name = args[0] if args else kwargs.get("name")
-        agreement.barrier(
-            self._control, self._sharded and self._sharded.comm, self.collective_checks, name, self.root_device
-        )
+        with self._reporting_failures():
+            self.driver.barrier(args[0] if args else kwargs.get("name"), self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return agreement.broadcast(self._sharded.comm if self._sharded is not None else None, obj, src)
+        with self._reporting_failures():
+            return self.driver.broadcast(obj, src)
+
+
+class _ReportingMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's launcher, with the function given to ``fabric.launch(fn)`` run so that what escapes it reaches
+    ``strategy.on_exception`` (the Trainer calls its strategy's ``on_exception`` the same way)."""
+
+    reporting_to: ZeROFabricStrategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        return super().launch(partial(_run_reporting_failures, self.reporting_to, function), *args, **kwargs)
+
+
+class _ReportingSubprocessScriptLauncher(_SubprocessScriptLauncher):
+    """As ``_ReportingMultiProcessingLauncher``, for processes started by re-running the script."""
+
+    reporting_to: ZeROFabricStrategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        return super().launch(partial(_run_reporting_failures, self.reporting_to, function), *args, **kwargs)
+
+
+def _run_reporting_failures(strategy: ZeROFabricStrategy, function: Callable, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return function(*args, **kwargs)
+    except BaseException as error:
+        strategy.on_exception(error)
+        raise

@@ -12,6 +12,7 @@ hold. An optimizer step closes a step left open (a forward whose loss was never 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -20,8 +21,8 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from typing_extensions import override
 
+from lightning_zero.driver import agreement
 from lightning_zero.engine import ShardedModel
-from lightning_zero.strategies import agreement
 
 
 class StepBracket:
@@ -35,8 +36,9 @@ class StepBracket:
         steps.end()                            # what the strategy's backward does
     """
 
-    def __init__(self, sharded: ShardedModel) -> None:
+    def __init__(self, sharded: ShardedModel, on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.sharded = sharded
+        self.on_failure = on_failure  # the strategy's ``on_exception``: a forward that raises ends the run
         self.open = False
         self.counts = {"training": 0, "no_grad": 0}
 
@@ -49,6 +51,14 @@ class StepBracket:
 
     def run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``module(*args, **kwargs)`` inside a step."""
+        try:
+            return self._run(module, args, kwargs)
+        except BaseException as error:
+            if self.on_failure is not None:
+                self.on_failure(error)
+            raise
+
+    def _run(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if torch.is_grad_enabled():
             self._agree("training")
             self.sharded.begin_step()

@@ -1,64 +1,29 @@
-"""What the strategies ask every rank to agree on (see [Note: agreements] in ``engine/comm/control.py``).
+"""What the Trainer's loops ask every rank to agree on (see [Note: agreements] in ``engine/comm/control.py``; what
+both front doors agree on is in ``driver/agreement.py``).
 
-- at setup: the trainable set (as ``DDPStrategy`` checks that every rank has the same parameters);
 - at the start of every step: which step it is (phase, epoch, step counter, trainable set, whether
   gradients are being accumulated), so that a rank that ran out of data, went on to validation or
   froze a layer alone is named at once instead of pairing its collectives with another step's
   (evaluation steps, which ranks may run different numbers of: see [Note: uneven evaluation]);
-- before a checkpoint save or load, a barrier, a broadcast, a teardown.
+- at the start of a training batch: whether any rank received SIGTERM.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
-from torch.nn import Module
 
+from lightning_zero.driver.agreement import PHASES, trainable_hash
 from lightning_zero.engine import Comm
-from lightning_zero.engine.comm.control import SERVING, ControlChannel
+from lightning_zero.engine.comm.control import SERVING
 
 log = logging.getLogger(__name__)
-
-_PHASES = ("training", "validation", "sanity check", "test", "predict", "step")
-
-
-def trainable_hash(params: Iterable[Tensor]) -> int:
-    """A number that differs between ranks whose parameters (``module.parameters()``, or the sharded model's
-    ``params``: any order that is the same on every rank) differ in which require a gradient."""
-    return zlib.crc32(bytes(int(p.requires_grad) for p in params))
-
-
-def agree_on_trainable_set(comm: Comm, module: Module) -> None:
-    """Refuse, on every rank, a model whose trainable set (or parameter count) differs between ranks."""
-    names = [name for name, p in module.named_parameters()]
-    frozen = [name for name, p in module.named_parameters() if not p.requires_grad]
-
-    def describe() -> str:
-        listed = ", ".join(repr(n) for n in frozen[:6]) + (", ..." if len(frozen) > 6 else "")
-        return f"setup with {len(names)} parameter tensors, {len(names) - len(frozen)} trainable" + (
-            f" (frozen: {listed})" if frozen else " (none frozen)"
-        )
-
-    comm.agree_event(
-        "setup: trainable parameters",
-        describe,
-        len(names),
-        len(frozen),
-        trainable_hash(module.parameters()),
-        explain=lambda texts: (
-            "The model must be the same on every rank, with the same parameters requiring a gradient, as "
-            "DDPStrategy requires: set requires_grad (freeze layers) identically on every rank, before fit."
-        ),
-    )
 
 
 def _training_row(
@@ -70,7 +35,7 @@ def _training_row(
     def describe() -> str:
         return f"training step {step} (epoch {epoch}, batch_idx {batch_idx}, trainable set #{trainable:08x})"
 
-    return [_PHASES.index("training"), epoch, step, trainable], describe
+    return [PHASES.index("training"), epoch, step, trainable], describe
 
 
 def before_training_batch(
@@ -231,7 +196,7 @@ def begin_eval_step(comm: Comm, phase: str, step: int, describe: Callable[[], st
     batch is not known in advance); both are refused, naming where each rank is. With
     ``collective_checks="off"`` nothing is agreed, so nothing is joined either.
     """
-    row = [_PHASES.index(phase), step]
+    row = [PHASES.index(phase), step]
     if not joined:
         comm.defer_sequence("evaluation", row, describe)
         return
@@ -250,7 +215,7 @@ def serve_eval_steps(
     while True:
         step += 1
         says = partial(describe, step)
-        running = comm.agree_step([_PHASES.index(phase), step], says, shared=0)
+        running = comm.agree_step([PHASES.index(phase), step], says, shared=0)
         if running is None or not any(running):
             return step - last - 1
         comm.begin_sequence("evaluation", None, says)
@@ -262,59 +227,8 @@ def describe_serving(phase: str, batches: int, after: str, step: int) -> str:
     return f"{phase} step {step} ({after}; this rank's {batches} {phase} batches are done: it {SERVING})"
 
 
-def begin_plain_step(comm: Comm, key: str, step: int, describe: Callable[[], str]) -> None:
-    """Agree on a step counted by the caller (Fabric: a forward, and its backward when training)."""
-    comm.begin_sequence(key, [_PHASES.index("step"), zlib.crc32(key.encode()), step], describe)
-
-
-def reduce_like_lightning(comm: Comm, tensor: Tensor, reduce_op: object, name: str, guard: bool = False) -> Tensor:
-    """``lightning.fabric.utilities.distributed._sync_ddp`` through ``comm`` (counted and checked like the
-    engine's own collectives): ``"mean"``/``"avg"`` sums, then divides by the world size. ``guard``: agreed even
-    outside a step (see ``Comm.all_reduce``)."""
-    divide = False
-    if isinstance(reduce_op, str):
-        lowered = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
-        if lowered == "avg":
-            op, divide = dist.ReduceOp.SUM, True
-        else:
-            op = getattr(dist.ReduceOp, lowered.upper())
-    else:
-        op = dist.ReduceOp.SUM if reduce_op is None else reduce_op
-    comm.all_reduce(tensor, op=op, name=name, guard=guard)
-    if not divide:
-        return tensor
-    if not torch.is_floating_point(tensor):
-        return tensor.copy_(tensor / comm.world_size)
-    return tensor.div_(comm.world_size)
-
-
 def _batch_in_epoch(trainer: object) -> int:
     try:
         return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)  # type: ignore[attr-defined]
     except AttributeError:
         return -1
-
-
-def barrier(control: ControlChannel | None, comm: Comm | None, checks: str, name: str | None, device: Any) -> None:
-    """A barrier that names the ranks that are elsewhere: the agreement is a barrier itself (every rank must join
-    it). Without a control channel, or with checks off, ``torch.distributed.barrier``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if control is not None and checks != "off":
-        comm = comm if comm is not None else Comm(checks="auto", control=control)
-        comm.agree_event(f"barrier {name or ''}", lambda: f"barrier({name!r})")
-    elif dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
-
-
-def broadcast(comm: Comm | None, obj: Any, src: int) -> Any:
-    """``broadcast_object_list`` of one object from ``src``, agreed first (a rank that is elsewhere is named)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    if comm is not None:
-        comm.agree_event("broadcast", lambda: f"broadcast of a {type(obj).__name__} from rank {src}")
-    holder = [obj]
-    dist.broadcast_object_list(holder, src, group=dist.group.WORLD)
-    return holder[0]

@@ -12,26 +12,16 @@ the state-dict hooks convert between shards and the full, DDP-shaped state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import timedelta
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
@@ -39,56 +29,40 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import Comm, CommStats, ShardedModel, module_class_policy
-from lightning_zero.engine.checkpoint.hf_export import write_hf_checkpoint
+from lightning_zero.driver import agreement as driver_agreement
+from lightning_zero.driver import checkpointing
+from lightning_zero.driver.config import CheckpointFormat
+from lightning_zero.driver.options import ZeROOptions
+from lightning_zero.driver.topology import ProcessTopology
 from lightning_zero.engine.checkpoint.sharded import (
     piece_optimizer_state,
     piece_state_dict,
     sharded_model_state,
     sharded_optimizer_state,
 )
-from lightning_zero.engine.comm.comm import CollectiveChecks
-from lightning_zero.engine.comm.control import ControlChannel, PeerFailureError, abort_if_broken
-from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
-from lightning_zero.engine.comm.process_exit import destroy_at_exit, mark_failed
 from lightning_zero.engine.core.placeholder import has_hidden_parameters, refuse_module_sharded_elsewhere
-from lightning_zero.engine.free_memory import kept_sharded_text
 from lightning_zero.engine.io.files import find_checkpoint, remove_checkpoint
-from lightning_zero.engine.meta.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
 from lightning_zero.engine.meta.materialize import has_meta_tensors
-from lightning_zero.engine.sharded_model import check_offload_params
-from lightning_zero.strategies import agreement, checkpointing
+from lightning_zero.engine.sharded_model import ShardedModel
+from lightning_zero.strategies import agreement
 from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
-from lightning_zero.strategies.errors import RAISED_ON_EVERY_RANK, explain_peer_failure, peer_went_away
 from lightning_zero.strategies.memory_report import MemoryReport, memory_report
-from lightning_zero.strategies.options import (
-    CheckpointFormat,
-    StartMethod,
-    bucket_numel,
-    check_option_names,
-    default_bucket_size_mb,
-    parse_dtype,
-    validate_options,
-    validate_overlap_options,
-)
-from lightning_zero.strategies.precision import NonFinitePolicy, ZeROPrecision
-from lightning_zero.strategies.stats import log_step_stats
-from lightning_zero.strategies.topology import ProcessTopology
+from lightning_zero.strategies.precision import ZeROPrecision
+from lightning_zero.strategies.stats import StepStats
 
 log = logging.getLogger(__name__)
 LIGHTNING_REDUCE = "Lightning's reduce (self.log(..., sync_dist=True))"
 
 
-class ZeROStrategy(ProcessTopology, ParallelStrategy):
+class ZeROStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
     """Shared base of ``ZeRO1Strategy``, ``ZeRO2Strategy`` and ``ZeRO3Strategy``; use those.
 
     Args:
@@ -165,94 +139,17 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     """
 
     stage: ClassVar[int]
+    default_checkpoint_format: ClassVar[CheckpointFormat] = "full"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> ZeROStrategy:
-        # Before __init__, so that a misspelt option lists the valid ones instead of Python's bare TypeError.
-        check_option_names(cls, kwargs)
-        return super().__new__(cls)
-
-    def __init__(
-        self,
-        unit_modules: Sequence[type[Module] | str] | None = None,
-        broadcast_buffers: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta = default_pg_timeout,
-        checkpoint_format: CheckpointFormat = "full",
-        log_stats: bool = False,
-        nonfinite_grads: NonFinitePolicy = "raise",
-        collective_checks: CollectiveChecks = "auto",
-        param_dtype: torch.dtype | str | None = None,
-        reduce_dtype: torch.dtype | str | None = None,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
-        meta_init: bool | None = None,
-        bucket_size_mb: float | None = None,
-        prefetch: int = 1,
-        reshard_after_forward: bool = True,
-        shard_size: ShardSize = None,
-        start_method: StartMethod = "popen",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-    ) -> None:
-        validate_options(
-            unit_modules=unit_modules,
-            broadcast_buffers=broadcast_buffers,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            checkpoint_format=checkpoint_format,
-            start_method=start_method,
-            log_stats=log_stats,
-            nonfinite_grads=nonfinite_grads,
-            collective_checks=collective_checks,
-            offload_optimizer=offload_optimizer,
-            meta_init=meta_init,
-        )
-        validate_overlap_options(self.stage, bucket_size_mb, prefetch, reshard_after_forward)
-        check_offload_params(self.stage, offload_params)
-        check_shard_size(shard_size)
-        self.shard_size = shard_size
-        self.bucket_size_mb = default_bucket_size_mb(self.stage, unit_modules, bucket_size_mb)
-        self.prefetch = prefetch
-        self.reshard_after_forward = reshard_after_forward
-        self.param_dtype = parse_dtype("param_dtype", param_dtype)
-        self.reduce_dtype = parse_dtype("reduce_dtype", reduce_dtype)
-        self.offload_params = offload_params
-        self.offload_optimizer = (
-            offload_optimizer or offload_params
-        )  # see [Note: parameter offload] in engine/core/unit.py
-        self.meta_init = self.stage == 3 if meta_init is None else meta_init
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        self.unit_modules = None if unit_modules is None else list(unit_modules)
-        self.broadcast_buffers = broadcast_buffers
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method = start_method
-        self.checkpoint_format = checkpoint_format
-        self.log_stats = log_stats
-        self.nonfinite_grads = nonfinite_grads
-        self.collective_checks = collective_checks
-        self._mesh: DeviceMesh | None = None
-        self._num_nodes = 1
-        self._sharded: ShardedModel | None = None
-        self._failed = False
-        self._control: ControlChannel | None = None
+    @override
+    def init_door(self) -> None:
         self._steps: dict[str, int] = {}
         # The evaluation loop under way or last run since the last training step: its phase, and this rank's batches
         # in it so far (see [Note: uneven evaluation] in strategies/agreement.py).
         self._evaluation: tuple[str, int] | None = None
         self._agreed_step: tuple[int, Callable[[], str]] | None = None  # the step agreed at its batch's start
         self._unwrap_batch_start: Callable[[], None] | None = None
-        self._stats_logged_until: dict[str, CommStats] | None = None
-        self._meta_init: InitTrace | None = None
+        self._step_stats = StepStats()
         self._inserted_callbacks: list[pl.Callback] = []
 
     # ------------------------------------------------------------------ processes
@@ -263,36 +160,12 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+        self.configure_zero_launcher(_MultiProcessingLauncher, _SubprocessScriptLauncher)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self.resolved_shard_size()  # a shard_size that does not divide the world fails here, on every rank
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        created = not (dist.is_available() and dist.is_initialized())
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-        if created:  # see [Note: the process group at exit] in engine/comm/process_exit.py
-            destroy_at_exit()
-        self._control = ControlChannel.create()  # see [Note: agreements] in engine/comm/control.py
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self.connect_ranks()
 
     # ------------------------------------------------------------------ precision
     @property
@@ -312,13 +185,6 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         self._precision_plugin = None if plugin is None else ZeROPrecision.from_lightning(plugin)
 
     # ------------------------------------------------------------------ setup and teardown
-    @property
-    def sharded_model(self) -> ShardedModel:
-        """The engine that holds this run's shards (available after setup)."""
-        if self._sharded is None:
-            raise RuntimeError(f"{type(self).__name__} has not been set up yet: call trainer.fit/validate/... first")
-        return self._sharded
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
@@ -343,28 +209,29 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
                     "SyncBatchNorm layers only work with GPU modules: Trainer(sync_batchnorm=True) converted the "
                     "BatchNorm layers, but this run is on the CPU. Use accelerator='gpu', or leave sync_batchnorm off."
                 )
-        kept = self._sharded if self._sharded is not None and self._sharded.between_runs is not None else None
+        driver = self.driver
+        kept = driver.sharded if driver.sharded is not None and driver.sharded.between_runs is not None else None
         if kept is not None and kept.module is not self.model:
-            kept = self._sharded = None  # another module: the kept one stays as it is (its reads say why)
+            kept = driver.sharded = None  # another module: the kept one stays as it is (its reads say why)
         if kept is None:
             refuse_module_sharded_elsewhere(self.model)
-            self._sharded = self._shard_model(precision)
+            self._shard_model(precision)
         else:  # kept sharded after the previous run (see ``teardown``): used as it is
-            kept.resume(self._control)
-            agreement.agree_on_trainable_set(kept.comm, self.model)
+            driver.init_trace = None
+            kept.resume(driver.control)
+            driver_agreement.agree_on_trainable_set(kept.comm, self.model)
         self._steps = {}
         self._evaluation = None
-        self._meta_init = None
-        self._stats_logged_until = None
+        self._step_stats = StepStats()
         precision.nonfinite_grads = self.nonfinite_grads
-        precision.attach(self._sharded)
+        precision.attach(self.sharded_model)
         if trainer.state.fn == TrainerFn.FITTING:
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
-                self._sharded.bind_optimizer(_unwrap(optimizer))
-            self._inserted_callbacks = bracket_full_parameter_callbacks(self, trainer.callbacks)
-            if self._control is not None and self.collective_checks != "off":
+                self.sharded_model.bind_optimizer(_unwrap(optimizer))
+            self._inserted_callbacks = bracket_full_parameter_callbacks(self.gathered_parameters, trainer.callbacks)
+            if driver.control is not None and self.collective_checks != "off":
                 self._unwrap_batch_start = agreement.wrap_batch_start(trainer, self._agree_on_next_batch)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
@@ -373,30 +240,18 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             log.info("lightning_zero: model-state memory per rank\n%s", self.memory_report())
 
     def _shard_model(self, precision: ZeROPrecision) -> ShardedModel:
+        def prepare(module: Module) -> Module:
+            self.model = precision.convert_module(module)  # a cast of meta layers is replayed too
+            self.model_to_device()
+            return self.model
+
         assert self.model is not None
-        built_on_meta = self._meta_init is not None and has_meta_tensors(self.model)
-        with record_meta_init(self.root_device, self._meta_init) if built_on_meta else nullcontext():
-            self.model = precision.convert_module(self.model)  # a cast of meta layers is replayed too
-        self.model_to_device()
-        policy = None if self.unit_modules is None else module_class_policy(self.unit_modules)
-        comm = Comm(checks=self.collective_checks, control=self._control, stage=self.stage)
-        agreement.agree_on_trainable_set(comm, self.model)
-        return ShardedModel(
+        return self.driver.shard(
             self.model,
-            stage=self.stage,
-            comm=comm,
-            policy=policy,
-            broadcast_buffers=self.broadcast_buffers,
-            param_dtype=self.param_dtype or precision.default_param_dtype,
-            reduce_dtype=self.reduce_dtype,
-            offload_optimizer=self.offload_optimizer,
-            offload_params=self.offload_params,
             device=self.root_device,
-            meta_init=self._meta_init,
-            prefetch=self.prefetch,
-            reshard_after_forward=self.reshard_after_forward,
-            bucket_numel=bucket_numel(self.bucket_size_mb, self.model),
+            param_dtype=self.param_dtype or precision.default_param_dtype,
             shard_size=self.resolved_shard_size(),
+            prepare=prepare,
         )
 
     @override
@@ -412,30 +267,15 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """Around ``configure_model``: with ``meta_init``, layers are created on the ``meta`` device (no
         memory) and materialized already sharded at setup, one unit at a time."""
-        if self.meta_init:
-            with refuse_plain_from_pretrained(), record_meta_init(self.root_device) as recording:
-                yield
-            self._meta_init = recording
-        else:
+        with self.driver.recording_init(self.root_device):
             yield
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # Another rank may not reach the collectives that a full teardown needs: do not wait for it,
-        # unless the error is one that every rank raises at the same point (ours, checked everywhere).
-        broken = self._sharded is not None and self._sharded.comm.broken
-        self._failed = broken or not isinstance(exception, RAISED_ON_EVERY_RANK)
-        if self._failed:
-            mark_failed()
-        if self._control is not None:
-            self._control.explain(exception)
-            if self._failed:
-                # The ranks waiting for this one stop at once; they know already when a peer went away.
-                secondary = isinstance(exception, PeerFailureError) or peer_went_away(exception)
-                self._control.report_failure(exception, linger=not secondary)
-        if broken:
-            abort_if_broken(self._sharded.comm)
-        explain_peer_failure(exception)
+        # Another rank may not reach the collectives that a full teardown needs: do not wait for it, unless the
+        # error is one that every rank raises at the same point (ours, checked everywhere, or rank 0's SIGTERM,
+        # announced in the step agreement: see [Note: the start of a training batch]).
+        self.driver.on_exception(exception, raised_on_every_rank=(SIGTERMException,))
 
     @override
     def teardown(self) -> None:
@@ -445,27 +285,12 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         if self._unwrap_batch_start is not None:
             self._unwrap_batch_start()
             self._unwrap_batch_start = None
-        if self._sharded is not None:
-            if not self._failed:
-                fn = self.lightning_module.trainer.state.fn if self._lightning_module is not None else None
-                what = f"trainer.{fn.value}()" if fn is not None else "the run"
-                if self._evaluation is not None:  # see [Note: uneven evaluation] in strategies/agreement.py
-                    what += f", after this rank's {self._evaluation[1]} {self._evaluation[0]} batches"
-                self._sharded.comm.agree_event("teardown", lambda: f"teardown at the end of {what}")
-            kept = self._sharded.release(gather=not self._failed)
-            if kept is None:
-                self._sharded = None
-            else:  # see [Note: what fits at the end] in engine/free_memory.py
-                rank_zero_warn(kept_sharded_text(kept))
-        if self._control is not None:  # see [Note: nothing outlives teardown] in engine/comm/control.py
-            self._control.close(destroy_group=not self._failed)
-            self._control = None
+        self.driver.teardown(self._describe_end)
         module = self._lightning_module
-        kept_sharded = self._sharded is not None
+        kept_sharded = self.driver.sharded is not None
         if module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync and self.model is not None and not kept_sharded:
                 self.model = self._layer_sync.revert(self.model)
-        self._failed = False
         if isinstance(self._precision_plugin, ZeROPrecision):
             self._precision_plugin.attach(None)
         module = self._lightning_module
@@ -480,6 +305,14 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
                 self._lightning_module = module
             return
         super().teardown()
+
+    def _describe_end(self) -> str:
+        """What this rank is at the end of, for the teardown's agreement."""
+        fn = self.lightning_module.trainer.state.fn if self._lightning_module is not None else None
+        what = f"trainer.{fn.value}()" if fn is not None else "the run"
+        if self._evaluation is not None:  # see [Note: uneven evaluation] in strategies/agreement.py
+            what += f", after this rank's {self._evaluation[1]} {self._evaluation[0]} batches"
+        return f"teardown at the end of {what}"
 
     # ------------------------------------------------------------------ steps
     @override
@@ -589,8 +422,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
-        if self._sharded is not None:  # gathered for a batch that was then skipped (see gather_for_next_step)
-            self._sharded.free_unused_units()
+        if self.driver.sharded is not None:  # gathered for a batch that was then skipped (see gather_for_next_step)
+            self.driver.sharded.free_unused_units()
 
     def _count_step(self, phase: str) -> int:
         self._steps[phase] = self._steps.get(phase, 0) + 1
@@ -610,7 +443,8 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
             self.sharded_model.end_step()
         self.sharded_model.after_optimizer_step(_unwrap(optimizer))
         if self.log_stats:
-            log_step_stats(self)
+            trainer = self.lightning_module.trainer
+            self._step_stats.log(trainer, self.sharded_model, self.root_device, self.skipped_steps)
         return output
 
     @contextmanager
@@ -633,9 +467,7 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
                 with self.trainer.strategy.gathered_parameters(self.encoder):
                     self.log("encoder_norm", torch.cat([p.flatten() for p in self.encoder.parameters()]).norm())
         """
-        if self._sharded is None:
-            return nullcontext()
-        return self._sharded.gathered_parameters(module, writable=writable)
+        return self.driver.gathered_parameters(module, writable)
 
     def grad_norm(self, optimizer: Optimizer | None = None, norm_type: float = 2.0) -> Tensor:
         """The global norm of the current (sharded) gradients; call it on every rank.
@@ -667,19 +499,17 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         it (from the whole module, once its process group exists)."""
         if self.checkpoint_format != "sharded":
             return False
-        return self._sharded is not None or (self._lightning_module is not None and dist.is_initialized())
+        return self.driver.sharded is not None or (self._lightning_module is not None and dist.is_initialized())
 
     @property
     def writes_parallel_checkpoints(self) -> bool:
         """Whether ``save_checkpoint`` writes one full file from every rank now (sharded model, ``"full"``)."""
-        return self._sharded is not None and self.checkpoint_format == "full"
+        return self.driver.sharded is not None and self.checkpoint_format == "full"
 
     @property
     def device_mesh(self) -> DeviceMesh:
         """A 1-D mesh over all ranks, for ``torch.distributed.checkpoint``."""
-        if self._mesh is None:
-            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
-        return self._mesh
+        return self.driver.device_mesh(self.root_device)
 
     @property
     @override
@@ -703,48 +533,57 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
                     if trainer.global_step == 1:
                         print(trainer.strategy.memory_report())
         """
-        return memory_report(self)
+        assert self.lightning_module is not None
+        precision = self.precision_plugin
+        return memory_report(
+            self.lightning_module,
+            self.sharded_model,
+            self.config,
+            precision.precision,
+            precision.is_mixed,
+            self.unwrapped_optimizers,
+            self.num_processes,
+            self.num_nodes,
+            self.global_rank,
+        )
 
     def full_state_dict(self) -> dict[str, Any]:
         """The full, unsharded state dict (as ``DDPStrategy`` returns it); a collective: call on all ranks."""
-        if self._sharded is None:
+        if self.driver.sharded is None:
             return super().lightning_module_state_dict()
-        return self._sharded.full_state_dict()
+        return self.driver.sharded.full_state_dict()
 
     def save_pretrained(self, module: Module, path: str | Path) -> None:
         """Write ``module`` (the transformers model the ``LightningModule`` holds, or any part of it) to the directory
         ``path`` as a Hugging Face checkpoint that plain ``from_pretrained`` loads: sharded safetensors with their
         index and the model's ``config.json``, each rank writing the tensors dealt to it, never the whole model on
-        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/checkpoint/hf_export.py``). A collective: call it
-        on every rank. When the module is not sharded (after ``fit``), rank 0 calls ``module.save_pretrained(path)``.
+        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/checkpoint/hf_export.py``). A
+        collective: call it on every rank. When the module is not sharded (after ``fit``), rank 0 calls
+        ``module.save_pretrained(path)``.
 
         Example::
 
             def on_train_end(self):
                 self.trainer.strategy.save_pretrained(self.model, "finetuned")
         """
-        if self._sharded is None:
-            if self.is_global_zero:
-                module.save_pretrained(path)
-            self.barrier("save_pretrained")
-            return
-        write_hf_checkpoint(self.model, self._sharded.units, module, path, self.global_rank, self.world_size)
-        self.barrier("save_pretrained")
+        assert self.model is not None
+        self.driver.save_pretrained(self.model, module, path, lambda: self.barrier("save_pretrained"))
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """While sharded, this rank's pieces of the parameters, as the checkpoint writer takes them (DTensors
         with ``"sharded"``, ``FlatPiece``s with ``"full"``); the full state dict otherwise. For full tensors
         while sharded, call ``full_state_dict()``."""
-        if self._sharded is None:
+        sharded = self.driver.sharded
+        if sharded is None:
             return self.full_state_dict()
         if self.writes_sharded_checkpoints:
-            return sharded_model_state(self._sharded, self.device_mesh)
-        return piece_state_dict(self._sharded)
+            return sharded_model_state(sharded, self.device_mesh)
+        return piece_state_dict(sharded)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._sharded is None:
+        if self.driver.sharded is None:
             super().load_model_state_dict(checkpoint, strict=strict)
         # Otherwise load_checkpoint has already put the weights into the shards.
 
@@ -752,17 +591,18 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """This rank's pieces of the optimizer state, as the checkpoint writer takes them: DTensors
         (``"sharded"``), or the per-parameter state ``DDPStrategy`` saves with ``FlatPiece``s (``"full"``)."""
-        if self._sharded is None:
+        sharded = self.driver.sharded
+        if sharded is None:
             return super().optimizer_state(optimizer)
         raw = _unwrap(optimizer)
         index = self.unwrapped_optimizers.index(raw)
         if self.checkpoint_format == "sharded":
-            return sharded_optimizer_state(self._sharded, raw, index, self.device_mesh)
-        return piece_optimizer_state(self._sharded, raw, index)
+            return sharded_optimizer_state(sharded, raw, index, self.device_mesh)
+        return piece_optimizer_state(sharded, raw, index)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._sharded is None:
+        if self.driver.sharded is None:
             super().load_optimizer_state_dict(checkpoint)
 
     @override
@@ -770,17 +610,40 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         """Write a sharded checkpoint directory or a full ``.ckpt`` file, atomically; call on all ranks."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        if self._sharded is not None:
-            self._sharded.comm.agree_event("save_checkpoint", lambda: f"save_checkpoint({str(filepath)!r})")
-        checkpointing.save(self, checkpoint, Path(self.broadcast(str(filepath))))
+        driver = self.driver
+        if driver.sharded is not None:
+            driver.sharded.comm.agree_event("save_checkpoint", lambda: f"save_checkpoint({str(filepath)!r})")
+        path = Path(self.broadcast(str(filepath)))
+        # Decided from the strategy, the same on every rank: a rank whose shards happen to be empty (tiny
+        # parameters, many ranks) must still join the collective save.
+        if self.writes_sharded_checkpoints:
+            shards = {k: checkpoint[k] for k in _SHARDED_KEYS if k in checkpoint}
+            meta = {k: v for k, v in checkpoint.items() if k not in _SHARDED_KEYS}
+            optimizers = self.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
+            whole = self.lightning_module if driver.sharded is None else None  # a run has ended: whole again
+            driver.save_sharded(shards, meta, optimizers, path, whole_module=whole)
+        else:
+            driver.save_full(checkpoint, path)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if self._sharded is None:
+        driver = self.driver
+        if driver.sharded is None:
             return checkpointing.read_meta(find_checkpoint(path), weights_only)
-        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return checkpointing.load(self, path, weights_only, with_optimizers=fitting)
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        strict = True if module is None else module.strict_loading
+        return checkpointing.load(
+            driver.sharded,
+            driver.ranks(),
+            self.device_mesh,
+            path,
+            weights_only,
+            self.unwrapped_optimizers,
+            with_optimizers=fitting,
+            strict=strict,
+        )
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -790,29 +653,24 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
     # ------------------------------------------------------------------ collectives for Lightning
     @override
     def barrier(self, name: str | None = None) -> None:
-        agreement.barrier(
-            self._control, self._sharded and self._sharded.comm, self.collective_checks, name, self.root_device
-        )
+        self.driver.barrier(name, self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return agreement.broadcast(self._sharded.comm if self._sharded is not None else None, obj, src)
+        return self.driver.broadcast(obj, src)
 
     @override
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
-            if self._sharded is not None and group is None:
-                # Logging with sync_dist=True, reduce_boolean_decision: counted and checked as the engine's own, and
-                # agreed where it comes outside a step (after an evaluation loop: see [Note: uneven evaluation]).
-                return agreement.reduce_like_lightning(
-                    self._sharded.comm, tensor, reduce_op, LIGHTNING_REDUCE, guard=True
-                )
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            # Logging with sync_dist=True, reduce_boolean_decision: counted and checked as the engine's own, and
+            # agreed where it comes outside a step (after an evaluation loop: see [Note: uneven evaluation]).
+            return self.driver.reduce(tensor, group, reduce_op, LIGHTNING_REDUCE, guard=True)
         return tensor
 
 
+_SHARDED_KEYS = ("state_dict", "optimizer_states")
 _EVALUATION_LOOPS = {
     TrainerFn.VALIDATING: "validate_loop",
     TrainerFn.TESTING: "test_loop",

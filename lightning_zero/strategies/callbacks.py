@@ -22,15 +22,14 @@ a ``LightningModule`` hook, use ``trainer.strategy.gathered_parameters()`` direc
 
 from __future__ import annotations
 
-from contextlib import ExitStack
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.utilities.model_helpers import is_overridden
-
-if TYPE_CHECKING:
-    from lightning_zero.strategies.base import ZeROStrategy
+from torch.nn import Module
 
 FULL_PARAMETER_CALLBACKS: tuple[type[Callback], ...] = (StochasticWeightAveraging, WeightAveraging, ModelPruning)
 # The hooks in which these callbacks touch the weights. Not on_load_checkpoint: a load streams into the
@@ -50,11 +49,15 @@ def needs_full_parameters(callback: Callback) -> bool:
     return isinstance(callback, FULL_PARAMETER_CALLBACKS) or bool(getattr(callback, "needs_full_parameters", False))
 
 
+# ``strategy.gathered_parameters``: a context in which a module's parameters are full.
+Gathered = Callable[[Module], AbstractContextManager]
+
+
 class _Bracket:
     """What the opening and closing callbacks of one bracketed callback share."""
 
-    def __init__(self, strategy: ZeROStrategy, target: Callback) -> None:
-        self.strategy = strategy
+    def __init__(self, gathered: Gathered, target: Callback) -> None:
+        self.gathered = gathered
         self.target = target
         self.stack: ExitStack | None = None
 
@@ -62,7 +65,7 @@ class _Bracket:
         if not is_overridden(hook, self.target, Callback) or self.stack is not None:
             return
         stack = ExitStack()
-        stack.enter_context(self.strategy.gathered_parameters(pl_module))
+        stack.enter_context(self.gathered(pl_module))
         self.stack = stack
 
     def close(self) -> None:
@@ -114,12 +117,12 @@ for _hook in WEIGHT_HOOKS:
     setattr(_ScatterParameters, _hook, _closing(_hook))
 
 
-def bracket_full_parameter_callbacks(strategy: ZeROStrategy, callbacks: list[Callback]) -> list[Callback]:
+def bracket_full_parameter_callbacks(gathered: Gathered, callbacks: list[Callback]) -> list[Callback]:
     """Insert the gathering pair around every callback that needs full parameters (in place); return the
-    inserted callbacks, for ``unbracket`` at teardown."""
+    inserted callbacks, for ``unbracket`` at teardown. ``gathered``: the strategy's ``gathered_parameters``."""
     inserted: list[Callback] = []
     for target in [c for c in callbacks if needs_full_parameters(c)]:
-        bracket = _Bracket(strategy, target)
+        bracket = _Bracket(gathered, target)
         before, after = _GatherParameters(bracket), _ScatterParameters(bracket)
         position = callbacks.index(target)
         callbacks[position : position + 1] = [before, target, after]

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_zero.driver.config import ZeROConfig
+from lightning_zero.engine.sharded_model import ShardedModel
 from lightning_zero.estimate import MemoryEstimate, StrategyEstimate, estimate_memory
-from lightning_zero.estimate_text import format_bytes
-
-if TYPE_CHECKING:
-    from lightning_zero.strategies.base import ZeROStrategy
+from lightning_zero.estimate_report import format_bytes
 
 # Optimizer state entries per parameter element (each in the master dtype), for the usual classes.
 _STATES_PER_ELEMENT = {
@@ -70,26 +69,34 @@ class MemoryReport:
         return self.estimate.table() + "\n\n" + self.comparison()
 
 
-def memory_report(strategy: ZeROStrategy) -> MemoryReport:
-    sharded = strategy.sharded_model
-    precision = strategy.precision_plugin
+def memory_report(
+    module: Module,
+    sharded: ShardedModel,
+    config: ZeROConfig,
+    precision: str,
+    mixed: bool,
+    optimizers: list[Optimizer],
+    num_processes: int,
+    num_nodes: int,
+    rank: int,
+) -> MemoryReport:
+    """The estimate for ``module`` under ``config`` at this topology, beside what ``sharded`` holds on ``rank``."""
     unit = sharded.units[0]
-    optimizers = strategy.unwrapped_optimizers
     # Under hybrid sharding states are divided by the shard group's size, not the world's (engine/comm/mesh.py).
     hybrid = sharded.replicate_comm is not None
     estimate = estimate_memory(
-        strategy.lightning_module,
-        devices=sharded.shard_size if hybrid else strategy.num_processes,
-        nodes=1 if hybrid else strategy.num_nodes,
-        precision=precision.precision,
-        offload_optimizer=strategy.offload_optimizer,
+        module,
+        devices=sharded.shard_size if hybrid else num_processes,
+        nodes=1 if hybrid else num_nodes,
+        precision=precision,
+        offload_optimizer=config.offload_optimizer,
         offload_params=sharded.offload_params,
         optimizer_state_bytes=_optimizer_state_bytes(optimizers, unit.master_dtype),
         reduce_dtype_bytes=unit.reduce_dtype.itemsize,
-        param_dtype_bytes=unit.dtype.itemsize if precision.is_mixed else None,
-        unit_modules=strategy.unit_modules,
+        param_dtype_bytes=unit.dtype.itemsize if mixed else None,
+        unit_modules=None if config.unit_modules is None else list(config.unit_modules),
     )
-    return MemoryReport(estimate, estimate.row(f"zero{sharded.stage}"), sharded.memory_stats(), strategy.global_rank)
+    return MemoryReport(estimate, estimate.row(f"zero{sharded.stage}"), sharded.memory_stats(), rank)
 
 
 def _optimizer_state_bytes(optimizers: list[Optimizer], master_dtype: torch.dtype) -> float | None:

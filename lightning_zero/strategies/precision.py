@@ -43,13 +43,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_zero.engine import ShardedModel
+from lightning_zero.driver.config import PRECISIONS, NonFinitePolicy
 from lightning_zero.engine.core.scaler import ShardedGradScaler
 from lightning_zero.engine.errors import NonFiniteGradientError
+from lightning_zero.engine.sharded_model import ShardedModel
 
-NonFinitePolicy = Literal["raise", "skip", "ignore"]
 PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
-PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 _HALF = {"bf16": torch.bfloat16, "16": torch.float16}
 __all__ = ["NonFiniteGradientError", "ShardedGradScaler", "ZeROPrecision"]
 

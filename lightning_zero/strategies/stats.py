@@ -2,30 +2,44 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from lightning_zero.strategies.base import ZeROStrategy
+from lightning_zero.engine.comm.comm import CommStats
+from lightning_zero.engine.sharded_model import ShardedModel
 
 
-def log_step_stats(strategy: ZeROStrategy) -> None:
-    """Log what the last optimizer step cost (this rank's bytes and seconds per collective, the slowest
-    rank's seconds, this rank's model-state bytes). The engine's counters keep running: the step's
-    figures are the difference from the previous call, so other readers of the counters see totals."""
-    module = strategy.lightning_module
-    assert module is not None
-    trainer = module.trainer
-    sharded = strategy.sharded_model
+class StepStats:
+    """Logs, after each optimizer step, what it cost: this rank's bytes and seconds per collective, the slowest
+    rank's seconds, this rank's model-state bytes. The engine's counters keep running: the step's figures are the
+    difference from the previous call, so other readers of the counters see totals.
+
+    Example::
+
+        stats = StepStats()
+        # after each optimizer step, on every rank:
+        stats.log(trainer, strategy.sharded_model, strategy.root_device, skipped_steps=0)
+    """
+
+    def __init__(self) -> None:
+        self.logged_until: dict[str, CommStats] = {}
+
+    def log(self, trainer: Any, sharded: ShardedModel, device: torch.device, skipped_steps: int) -> None:
+        _log_step_stats(self, trainer, sharded, device, skipped_steps)
+
+
+def _log_step_stats(
+    stats_state: StepStats, trainer: Any, sharded: ShardedModel, device: torch.device, skipped_steps: int
+) -> None:
     # Under hybrid sharding the bytes inside and across shard groups are counted apart (see [Note: hybrid sharding]
     # in engine/comm/mesh.py): "zero/shard_group/..." and "zero/replicate_group/..." beside the world's "zero/...".
-    previous = strategy._stats_logged_until or {}
+    previous = stats_state.logged_until
     now = {name: comm.stats.snapshot() for name, comm in sharded.comms().items()}
     by_group = {name: stats.since(previous[name]) if name in previous else stats for name, stats in now.items()}
-    strategy._stats_logged_until = now
+    stats_state.logged_until = now
     total = sum(s.seconds for stats in by_group.values() for s in stats.by_kind.values())
-    seconds = torch.tensor([total], device=strategy.root_device)
+    seconds = torch.tensor([total], device=device)
     sharded.comm.all_reduce(seconds, op=torch.distributed.ReduceOp.MAX)  # the slowest rank bounds the step
     metrics = {
         "zero/comm_bytes": float(sum(stats.bytes_sent for stats in by_group.values())),
@@ -40,6 +54,6 @@ def log_step_stats(strategy: ZeROStrategy) -> None:
             metrics[f"{prefix}{kind}_seconds"] = entry.seconds
             metrics[f"{prefix}{kind}_calls"] = float(entry.calls)
     metrics.update({f"zero/memory_{k}_bytes": float(v) for k, v in sharded.memory_stats().items()})
-    metrics["zero/skipped_steps"] = float(strategy.skipped_steps)
+    metrics["zero/skipped_steps"] = float(skipped_steps)
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)

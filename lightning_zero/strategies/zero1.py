@@ -7,8 +7,8 @@ from typing import ClassVar
 from lightning.fabric.strategies import _StrategyRegistry
 from typing_extensions import override
 
+from lightning_zero.driver.registry import register_presets
 from lightning_zero.strategies.base import ZeROStrategy
-from lightning_zero.strategies.registry import register_presets
 
 
 class ZeRO1Strategy(ZeROStrategy):
@@ -36,4 +36,4 @@ class ZeRO1Strategy(ZeROStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_presets(strategy_registry, cls, "zero1", "ZeRO stage 1: optimizer states sharded")
+        register_presets(strategy_registry, cls)

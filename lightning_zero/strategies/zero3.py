@@ -7,8 +7,8 @@ from typing import ClassVar
 from lightning.fabric.strategies import _StrategyRegistry
 from typing_extensions import override
 
+from lightning_zero.driver.registry import register_presets
 from lightning_zero.strategies.base import ZeROStrategy
-from lightning_zero.strategies.registry import register_presets
 
 
 class ZeRO3Strategy(ZeROStrategy):
@@ -41,6 +41,4 @@ class ZeRO3Strategy(ZeROStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register_presets(
-            strategy_registry, cls, "zero3", "ZeRO stage 3: optimizer states, gradients and parameters sharded"
-        )
+        register_presets(strategy_registry, cls)

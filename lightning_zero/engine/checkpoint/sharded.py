@@ -53,7 +53,6 @@ from torch.optim import Optimizer
 from lightning_zero.engine.core.optimizer import is_param_shaped
 from lightning_zero.engine.errors import CheckpointMismatchError
 from lightning_zero.engine.io.checksums import StoredEntry, entry_checksums, share_by_size
-from lightning_zero.engine.io.files import atomic_torch_save, commit, hold, release, temporary_path
 from lightning_zero.engine.io.safe_read import SAVE_ID_PREFIX, CorruptCheckpointError, SafeFileSystemReader
 from lightning_zero.engine.io.torch_file import FlatPiece
 from lightning_zero.engine.sharded_model import ShardedModel
@@ -345,36 +344,6 @@ def _dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, **kwargs: Any
             dcp.load(state, storage_reader=reader, **kwargs)
     except CheckpointException as err:
         raise CorruptCheckpointError(f"{str(reader.path)!r} could not be read, nothing was loaded: {err}") from err
-
-
-def write_checkpoint_directory(
-    shards: dict[str, Any],
-    meta: dict[str, Any],
-    path: Path,
-    token: str,
-    is_global_zero: bool,
-    barrier: Callable[[str], None],
-    rank: int,
-) -> None:
-    """Write a sharded checkpoint directory at ``path`` (format 2: ``meta.pt`` beside ``shards-<token>/``), committed
-    by one rename (a collective: call on every rank with the same ``token``). The Fabric strategies use it; the
-    Trainer strategies' ``strategies/saving.py`` writes the same layout, with failure reports from every rank."""
-    tmp = temporary_path(path, token)
-    lock = None
-    if is_global_zero:  # held before any rank writes into it (see [Note: crash-safe saves] in engine/io/files.py)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock = hold(tmp, directory=True)
-    try:
-        barrier("lightning_zero.hold")
-        checksums = gather_checksums(save_sharded(shards, tmp / f"{SHARDS_PREFIX}{token}", token, rank))
-        barrier("lightning_zero.save")
-        if is_global_zero:
-            meta = {**meta, "lightning_zero": {**meta["lightning_zero"], "save_id": token, CHECKSUMS_KEY: checksums}}
-            atomic_torch_save(meta, tmp / META_FILE)
-            commit(tmp, path)
-    finally:
-        release(lock)
-    barrier("lightning_zero.commit")
 
 
 def gather_to_zero(value: Any) -> list[Any]:

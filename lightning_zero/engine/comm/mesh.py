@@ -25,7 +25,7 @@ Which group each collective runs on (every site in the engine and the strategies
   the world's sequence, see ``Comm.subgroup``), the used-parameter / non-finite / reduce-order
   flags of ``GradReducer``, ``nonfinite_grads``, the gradient scaler's found-inf, buffer
   broadcasts, ``strategy.reduce``, barriers, object broadcasts, checkpoint agreements, the
-  ``log_stats`` time maximum, and in ``strategies/saving.py`` the failure reports
+  ``log_stats`` time maximum, and in ``engine/checkpoint/saving.py`` the failure reports
   (``all_gather_object``) and the count of elements written (an all-reduce: replicas write none,
   so the count still equals each tensor's size);
 - both, one after the other: the initial broadcast of the parameters (in the shard group from its

@@ -55,7 +55,6 @@ from torch import nn
 
 from lightning_zero.engine.errors import ShardedParameterReadError, ShardedParameterWriteError
 
-
 _T = torch.Tensor
 # Answered from the placeholder: what a function may ask of a parameter without reading its values.
 _METADATA: frozenset[Any] = frozenset(

@@ -19,6 +19,11 @@ until the commit or the removal (``hold`` in ``engine/io/files.py``), before any
 clean-up after the commit deletes only what saves that are over left (see [Note: crash-safe saves]), and
 nothing more once another run has committed a newer ``meta.pt`` over this save's: that run cleans up.
 
+Both front doors save through this module: the Trainer's ``save_checkpoint`` and Fabric's ``fabric.save`` (via
+``driver/checkpointing.py``), so both get the same crash safety and the same failure reports. What the callers
+pass is a ``Ranks``: this rank, the world size, and a broadcast from rank 0 (agreed first, so a rank that is
+elsewhere is named instead of left waiting).
+
 ``crash_point`` marks the moments the crash tests kill a save at: ``start``, ``partial`` (some data
 written), ``before-commit``, ``after-commit`` (before the previous data is deleted), ``end``.
 """
@@ -29,8 +34,10 @@ import errno
 import itertools
 import math
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,10 +47,8 @@ from lightning_zero.engine.checkpoint.sharded import (
     CHECKSUMS_KEY,
     META_FILE,
     SHARDS_PREFIX,
-    checkpoint_meta,
     gather_checksums,
     gather_to_zero,
-    plain_module_checkpoint,
     save_sharded,
 )
 from lightning_zero.engine.errors import CheckpointSaveError
@@ -63,11 +68,26 @@ from lightning_zero.engine.io.files import (
 )
 from lightning_zero.engine.io.torch_file import FlatPiece, Skeleton, pieces_in, write_pieces, write_skeleton
 
-if TYPE_CHECKING:
-    from lightning_zero.strategies.base import ZeROStrategy
-
-SHARDED_KEYS = ("state_dict", "optimizer_states")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The ranks that take part in a save or a load: this one, how many, and a broadcast of a picklable object from
+    rank 0 (every rank calls it; rank 0's value comes back).
+
+    Example::
+
+        ranks = Ranks(dist.get_rank(), dist.get_world_size(), lambda obj: broadcast_object(obj))
+    """
+
+    rank: int
+    world_size: int
+    broadcast: Callable[[Any], Any]
+
+    @property
+    def is_zero(self) -> bool:
+        return self.rank == 0
 
 
 Report = dict[int, tuple[str, bool]]  # failing rank -> (what went wrong, whether it is a full disk)
@@ -83,10 +103,11 @@ def _describe(error: BaseException | None, rank: int) -> Report:
     return {rank: (f"{type(error).__name__}: {error}", no_space)}
 
 
-def gather_from_every_rank(strategy: ZeROStrategy, value: Any) -> list[Any]:
-    if not dist.is_available() or not dist.is_initialized() or strategy.world_size == 1:
+def gather_from_every_rank(ranks: Ranks, value: Any) -> list[Any]:
+    """Every rank's ``value``, on every rank."""
+    if not dist.is_available() or not dist.is_initialized() or ranks.world_size == 1:
         return [value]
-    values: list[Any] = [None] * strategy.world_size
+    values: list[Any] = [None] * ranks.world_size
     dist.all_gather_object(values, value)
     return values
 
@@ -145,10 +166,10 @@ def needed_bytes(checkpoint: Any, path: Path) -> int:
     return max(total, on_disk)
 
 
-def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
+def save_full(ranks: Ranks, checkpoint: dict[str, Any], path: Path) -> None:
     """Write ``checkpoint`` (with ``FlatPiece``s) as one ordinary file at ``path``, all ranks in parallel."""
-    rank0 = strategy.is_global_zero
-    token, needed = strategy.broadcast((new_token(), needed_bytes(checkpoint, path) if rank0 else 0))
+    rank0 = ranks.is_zero
+    token, needed = ranks.broadcast((new_token(), needed_bytes(checkpoint, path) if rank0 else 0))
     tmp = temporary_path(path, token)
     pieces = list(pieces_in(checkpoint))
     crash_point("start", path)
@@ -162,7 +183,7 @@ def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) ->
             skeleton = write_skeleton(checkpoint, tmp)
         except (Exception, CheckpointException) as err:
             error = err
-    offsets, report = strategy.broadcast((skeleton and skeleton.offsets, _describe(error, strategy.global_rank)))
+    offsets, report = ranks.broadcast((skeleton and skeleton.offsets, _describe(error, ranks.rank)))
     try:
         _raise_if_failed(path, [report], needed)
         checksums: list[PieceChecksum] = []
@@ -170,7 +191,7 @@ def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) ->
             checksums = write_pieces(tmp, pieces, offsets)
         except (Exception, CheckpointException) as err:
             error = err
-        _raise_if_failed(path, gather_from_every_rank(strategy, _describe(error, strategy.global_rank)), needed)
+        _raise_if_failed(path, gather_from_every_rank(ranks, _describe(error, ranks.rank)), needed)
         every_rank = gather_to_zero(checksums)
         if rank0:
             assert skeleton is not None
@@ -184,7 +205,7 @@ def save_full(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) ->
                 crash_point("after-commit", path)
             except (Exception, CheckpointException) as err:
                 error = err
-        _raise_if_failed(path, [strategy.broadcast(_describe(error, strategy.global_rank))], needed)
+        _raise_if_failed(path, [ranks.broadcast(_describe(error, ranks.rank))], needed)
     except BaseException:
         if rank0:
             remove(tmp)
@@ -211,29 +232,23 @@ def _commits_in_place(path: Path) -> bool:
     return any(child.name.startswith(SHARDS_PREFIX) for child in path.iterdir())
 
 
-def save_sharded_directory(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
-    """Write ``checkpoint`` (with DTensor pieces, or the whole module's tensors after a run) as a sharded directory
-    at ``path``; every rank writes its part."""
-    rank0 = strategy.is_global_zero
-    # Built on every rank (it is cheap), so that a problem raises everywhere instead of stranding the others.
-    optimizers = strategy.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
-    if strategy._sharded is None:  # a run has ended: the module is whole again
-        checkpoint, zero_meta = plain_module_checkpoint(strategy.lightning_module, optimizers, checkpoint)
-    else:
-        zero_meta = checkpoint_meta(strategy.sharded_model, optimizers)
+def save_sharded_directory(
+    ranks: Ranks, shards: dict[str, Any], meta: dict[str, Any], zero_meta: dict[str, Any], path: Path
+) -> None:
+    """Write a sharded directory at ``path``: ``shards`` (DTensor pieces, or whole tensors after a run) by every rank
+    into its DCP file, ``meta`` (the entries that are not shards) with ``zero_meta`` as its ``lightning_zero``
+    section by rank 0 into ``meta.pt``, the commit."""
+    rank0 = ranks.is_zero
     lock: int | None = None
     plan = None
     if rank0:  # the directory the ranks write into exists, held, before they learn its name
         token, in_place = new_token(), _commits_in_place(path)
-        root, shards = _directories(path, token, in_place)
-        lock, made = _hold_directory(shards if in_place else root, strategy.global_rank)
-        plan = (token, in_place, needed_bytes(checkpoint, path), made)
-    token, in_place, needed, made = strategy.broadcast(plan)
-    root, shards = _directories(path, token, in_place)
+        root, directory = _directories(path, token, in_place)
+        lock, made = _hold_directory(directory if in_place else root, ranks.rank)
+        plan = (token, in_place, needed_bytes([shards, meta], path), made)
+    token, in_place, needed, made = ranks.broadcast(plan)
+    root, directory = _directories(path, token, in_place)
     crash_point("start", path)
-    state: dict[str, Any] = dict(checkpoint["state_dict"])
-    for optimizer_state in checkpoint.get("optimizer_states", []):
-        state.update(optimizer_state)
     committed = False
     ours: tuple[int, int] | None = None  # the meta.pt this save commits
     error: BaseException | None = None
@@ -241,36 +256,35 @@ def save_sharded_directory(strategy: ZeROStrategy, checkpoint: dict[str, Any], p
         _raise_if_failed(path, [made], needed)
         mine: dict[str, int] = {}
         try:
-            mine = save_sharded(state, shards, token, strategy.global_rank)
+            mine = save_sharded(shards, directory, token, ranks.rank)
             crash_point("partial", path)
         except (Exception, CheckpointException) as err:
             error = err
-        _raise_if_failed(path, gather_from_every_rank(strategy, _describe(error, strategy.global_rank)), needed)
+        _raise_if_failed(path, gather_from_every_rank(ranks, _describe(error, ranks.rank)), needed)
         checksums = gather_checksums(mine)
         if rank0:
             try:
-                meta = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
-                meta["lightning_zero"] = {**zero_meta, "save_id": token, CHECKSUMS_KEY: checksums}
+                record = {**meta, "lightning_zero": {**zero_meta, "save_id": token, CHECKSUMS_KEY: checksums}}
                 if not in_place:
-                    ours = atomic_torch_save(meta, root / META_FILE)
+                    ours = atomic_torch_save(record, root / META_FILE)
                 crash_point("before-commit", path)
                 if in_place:
-                    ours = atomic_torch_save(meta, root / META_FILE)  # replacing meta.pt is the commit
+                    ours = atomic_torch_save(record, root / META_FILE)  # replacing meta.pt is the commit
                 else:
                     commit(root, path)
                 committed = True
                 crash_point("after-commit", path)
             except (Exception, CheckpointException) as err:
                 error = err
-        _raise_if_failed(path, [strategy.broadcast(_describe(error, strategy.global_rank))], needed)
+        _raise_if_failed(path, [ranks.broadcast(_describe(error, ranks.rank))], needed)
     except BaseException:
         if rank0 and not committed:
-            remove(shards if in_place else root)
+            remove(directory if in_place else root)
         raise
     finally:
         release(lock)
     if rank0:
-        _tidy(lambda: _remove_replaced_shards(path, shards.name, ours))
+        _tidy(lambda: _remove_replaced_shards(path, directory.name, ours))
     crash_point("end", path)
 
 

@@ -1,4 +1,4 @@
-"""Checkpoint files for the ZeRO strategies: Lightning's checkpoint dict in, files out, and back.
+"""Checkpoint files for both front doors: what is read back, checked by every rank together, and consolidated.
 
 Two formats (``checkpoint_format=``):
 
@@ -12,7 +12,8 @@ Two formats (``checkpoint_format=``):
   schedulers, hyper-parameters, precision state) and what the shards need to be reassembled.
 
 Either kind loads at any world size, under any stage. Saves follow [Note: save protocol] in
-``strategies/saving.py`` (crash-safe, cleaned up on failure); reads follow [Note: checkpoint trust] in
+``engine/checkpoint/saving.py`` (crash-safe, cleaned up on failure; ``ZeRODriver.save_sharded`` / ``save_full``);
+reads follow [Note: checkpoint trust] in
 ``engine/io/safe_read.py`` (``weights_only=True`` unless the caller passes ``weights_only=False``).
 """
 
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from lightning_zero.engine.checkpoint.saving import Ranks, gather_from_every_rank
 from lightning_zero.engine.checkpoint.sharded import META_FILE, consolidate_state, load_sharded
-from lightning_zero.engine.errors import WeightsOnlyCheckpointError
+from lightning_zero.engine.errors import CheckpointSaveError, WeightsOnlyCheckpointError
 from lightning_zero.engine.io.files import (
     atomic_torch_save,
     commit,
@@ -43,15 +45,7 @@ from lightning_zero.engine.io.safe_read import (
     load_torch_file,
     regular_file,
 )
-from lightning_zero.strategies.saving import (
-    CheckpointSaveError,
-    gather_from_every_rank,
-    save_full,
-    save_sharded_directory,
-)
-
-if TYPE_CHECKING:
-    from lightning_zero.strategies.base import ZeROStrategy
+from lightning_zero.engine.sharded_model import ShardedModel
 
 __all__ = [
     "CheckpointSaveError",
@@ -60,21 +54,9 @@ __all__ = [
     "WeightsOnlyCheckpointError",
     "consolidate",
     "load",
+    "read_checked",
     "read_meta",
-    "save",
 ]
-
-
-def save(strategy: ZeROStrategy, checkpoint: dict[str, Any], path: Path) -> None:
-    """Write ``checkpoint`` at ``path`` (call on every rank)."""
-    # Decided from the strategy, the same on every rank: a rank whose shards happen to be empty
-    # (tiny parameters, many ranks) must still join the collective save.
-    if strategy.writes_sharded_checkpoints:
-        save_sharded_directory(strategy, checkpoint, path)
-    elif strategy.writes_parallel_checkpoints:
-        save_full(strategy, checkpoint, path)
-    elif strategy.is_global_zero:
-        atomic_torch_save(checkpoint, path)
 
 
 def check_file_together(path: Path, rank: int, world_size: int, gather: Callable[[Any], list[Any]]) -> None:
@@ -126,18 +108,29 @@ def read_meta(
     return checkpoint
 
 
-def load(strategy: ZeROStrategy, path: Path, weights_only: bool | None, with_optimizers: bool) -> dict[str, Any]:
-    """Load a checkpoint of either format into the strategy's shards; return the rest for Lightning."""
+def read_checked(ranks: Ranks, path: Path, weights_only: bool | None, lightning_file: bool = True) -> dict[str, Any]:
+    """``read_meta`` of the checkpoint at ``path`` (or the one it names) after every rank has checked its share of
+    the file's checksums (``check_file_together``)."""
+    check_file_together(path, ranks.rank, ranks.world_size, lambda value: gather_from_every_rank(ranks, value))
+    return read_meta(path, weights_only, lightning_file=lightning_file, checked=True)
+
+
+def load(
+    sharded_model: ShardedModel,
+    ranks: Ranks,
+    mesh: Any,
+    path: Path,
+    weights_only: bool | None,
+    optimizers: list[Any],
+    with_optimizers: bool,
+    strict: bool,
+) -> dict[str, Any]:
+    """Load a Lightning checkpoint (``state_dict``, ``optimizer_states``) of either format into ``sharded_model``'s
+    shards and, ``with_optimizers`` (when fitting), into ``optimizers``; return the rest for Lightning."""
     path = find_checkpoint(path)
-    check_file_together(
-        path, strategy.global_rank, strategy.world_size, lambda value: gather_from_every_rank(strategy, value)
-    )
-    checkpoint = read_meta(path, weights_only, checked=True)
+    checkpoint = read_checked(ranks, path, weights_only)
     path = path.resolve() if path.is_dir() else path
-    module = strategy.lightning_module
-    strict = True if module is None else module.strict_loading
-    sharded_model = strategy.sharded_model
-    optimizers = strategy.unwrapped_optimizers if with_optimizers else []
+    optimizers = optimizers if with_optimizers else []
     if path.is_dir():
         zero_meta = checkpoint.pop("lightning_zero")
         if with_optimizers and not zero_meta["optimizers"]:
@@ -150,7 +143,7 @@ def load(strategy: ZeROStrategy, path: Path, weights_only: bool | None, with_opt
                 f"the checkpoint has {len(zero_meta['optimizers'])} optimizers, configure_optimizers returned "
                 f"{len(optimizers)}: resume with the same optimizers"
             )
-        load_sharded(sharded_model, optimizers, path, zero_meta, strategy.device_mesh, strict=strict)
+        load_sharded(sharded_model, optimizers, path, zero_meta, mesh, strict=strict)
         return checkpoint
     sharded_model.load_full_state_dict(checkpoint["state_dict"], strict=strict)
     if optimizers and "optimizer_states" in checkpoint:

@@ -1,16 +1,26 @@
-"""Validation of the strategies' options: wrong values fail at construction, on every rank, with a
-message that says what to pass instead."""
+"""``ZeROConfig``: every option of both front doors, validated once, at construction, on every rank.
+
+The Trainer's ``ZeROStrategy`` and Fabric's ``ZeROFabricStrategy`` take the same keyword arguments (their names and
+errors are the public surface: Lightning CLI and YAML configs pass them as they are) and build one frozen
+``ZeROConfig`` from them. A wrong value fails there with a message that says what to pass instead; defaults that
+depend on the stage (``meta_init``, ``bucket_size_mb``) and implications (``offload_params`` implies
+``offload_optimizer``) are resolved there too, so the rest of the code reads settled values.
+"""
 
 from __future__ import annotations
 
-import difflib
-import inspect
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
 from torch.nn import Module
+
+from lightning_zero.engine.comm.comm import CollectiveChecks
+from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.sharded_model import check_offload_params
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 CheckpointFormat = Literal["full", "sharded"]
@@ -19,19 +29,9 @@ CHECKPOINT_FORMATS = ("full", "sharded")
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 COLLECTIVE_CHECKS = ("auto", "all", "off")
-
-
-def check_option_names(cls: type, kwargs: dict[str, Any]) -> None:
-    """Refuse keyword arguments ``cls.__init__`` does not take, listing the ones it does."""
-    valid = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
-    unknown = [name for name in kwargs if name not in valid]
-    if not unknown:
-        return
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, valid, n=1)
-        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise TypeError(f"{cls.__name__} has no option {', '.join(hints)}. Valid options: {', '.join(valid)}.")
+NonFinitePolicy = Literal["raise", "skip", "ignore"]
+PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's and Lightning's default_pg_timeout
 
 
 def validate_options(
@@ -156,3 +156,71 @@ def bucket_numel(bucket_size_mb: float | None, module: Module) -> int:
         return 0
     element = next((p.element_size() for p in module.parameters()), 4)
     return int(bucket_size_mb * 2**20) // element
+
+
+@dataclass(frozen=True)
+class ZeROConfig:
+    """The options of one ZeRO strategy, validated and resolved (see the strategies' docstrings for each option's
+    meaning). Built by either front door from its constructor's arguments; also usable on its own.
+
+    Example::
+
+        config = ZeROConfig(stage=3, unit_modules=["Block"], offload_params=True)
+        config.offload_optimizer  # True: implied by offload_params
+        config.meta_init          # True: stage 3's default
+    """
+
+    stage: int
+    unit_modules: tuple[type[Module] | str, ...] | None = None
+    broadcast_buffers: bool = True
+    process_group_backend: str | None = None
+    timeout: timedelta = DEFAULT_TIMEOUT
+    checkpoint_format: CheckpointFormat = "full"
+    log_stats: bool = False
+    nonfinite_grads: NonFinitePolicy = "raise"
+    collective_checks: CollectiveChecks = "auto"
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    meta_init: bool | None = None
+    bucket_size_mb: float | None = None
+    prefetch: int = 1
+    reshard_after_forward: bool = True
+    shard_size: ShardSize = None
+    start_method: StartMethod = "popen"
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        validate_options(
+            unit_modules=self.unit_modules,
+            broadcast_buffers=self.broadcast_buffers,
+            process_group_backend=self.process_group_backend,
+            timeout=self.timeout,
+            checkpoint_format=self.checkpoint_format,
+            start_method=self.start_method,
+            log_stats=self.log_stats,
+            nonfinite_grads=self.nonfinite_grads,
+            collective_checks=self.collective_checks,
+            offload_optimizer=self.offload_optimizer,
+            meta_init=self.meta_init,
+        )
+        validate_overlap_options(self.stage, self.bucket_size_mb, self.prefetch, self.reshard_after_forward)
+        check_offload_params(self.stage, self.offload_params)
+        check_shard_size(self.shard_size)
+        resolved = {
+            "unit_modules": None if self.unit_modules is None else tuple(self.unit_modules),
+            "param_dtype": parse_dtype("param_dtype", self.param_dtype),
+            "reduce_dtype": parse_dtype("reduce_dtype", self.reduce_dtype),
+            # see [Note: parameter offload] in engine/core/unit.py
+            "offload_optimizer": self.offload_optimizer or self.offload_params,
+            "meta_init": self.stage == 3 if self.meta_init is None else self.meta_init,
+            "bucket_size_mb": default_bucket_size_mb(self.stage, self.unit_modules, self.bucket_size_mb),
+        }
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+
+    def replace(self, **changes: Any) -> ZeROConfig:
+        """A copy with ``changes``, validated again."""
+        return dataclasses.replace(self, **changes)

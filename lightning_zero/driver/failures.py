@@ -1,24 +1,25 @@
-"""Making errors that come from torch.distributed say what happened in this library's terms."""
+"""What a failure means for the other ranks: whether they can still take part in a clean teardown, and making
+errors that come from torch.distributed say what happened in this library's terms."""
 
 from __future__ import annotations
 
 import re
 
-from lightning.pytorch.utilities.exceptions import SIGTERMException
-
-from lightning_zero.engine.checkpoint.sharded import CheckpointMismatchError, CorruptCheckpointError
-from lightning_zero.engine.comm.comm import CollectiveMismatchError
-from lightning_zero.engine.core.optimizer import UnsupportedOptimizerError
-from lightning_zero.engine.meta.init_trace import MetaInitError
-from lightning_zero.strategies.checkpointing import (
+from lightning_zero.engine.errors import (
+    CheckpointMismatchError,
     CheckpointSaveError,
+    CollectiveMismatchError,
+    CorruptCheckpointError,
+    MetaInitError,
+    NonFiniteGradientError,
     UnsafeCheckpointError,
+    UnsupportedOptimizerError,
     WeightsOnlyCheckpointError,
 )
-from lightning_zero.strategies.precision import NonFiniteGradientError
 
 # Errors raised by checks that run identically on every rank at the same point, so that after one of
-# them all ranks can still take part in the collectives of a clean teardown.
+# them all ranks can still take part in the collectives of a clean teardown (a front door adds its own: the
+# Trainer's SIGTERMException).
 RAISED_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
     CheckpointMismatchError,
     CheckpointSaveError,
@@ -29,7 +30,6 @@ RAISED_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
     NonFiniteGradientError,
     UnsafeCheckpointError,
     WeightsOnlyCheckpointError,
-    SIGTERMException,  # rank 0's SIGTERM, announced in the step agreement (see [Note: the start of a training batch])
 )
 
 _PEER_GONE = re.compile(
@@ -40,7 +40,7 @@ _PEER_GONE = re.compile(
 PEER_FAILURE_HINT = (
     "lightning_zero: another rank exited or was killed while this rank waited for it in a collective, so this "
     "rank stopped too. The cause is in the other ranks' logs (an exception, the out-of-memory killer, a "
-    "preempted node). Resume from the last checkpoint with trainer.fit(..., ckpt_path=...)."
+    "preempted node). Resume from the last checkpoint (trainer.fit(..., ckpt_path=...), or fabric.load)."
 )
 
 
