@@ -53,10 +53,10 @@ from typing_extensions import override
 
 from lightning_zero.engine import Comm, ShardedModel, module_class_policy
 from lightning_zero.engine.checkpoint.hf_export import write_hf_checkpoint
-from lightning_zero.engine.comm.comm import CollectiveChecks
 from lightning_zero.engine.comm.control import ControlChannel
 from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
 from lightning_zero.engine.comm.process_exit import destroy_at_exit
+from lightning_zero.engine.comm.sequence import CollectiveChecks
 from lightning_zero.engine.core.placeholder import refuse_module_sharded_elsewhere
 from lightning_zero.engine.free_memory import kept_sharded_text
 from lightning_zero.engine.meta.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained

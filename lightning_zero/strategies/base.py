@@ -56,10 +56,10 @@ from lightning_zero.engine.checkpoint.sharded import (
     sharded_model_state,
     sharded_optimizer_state,
 )
-from lightning_zero.engine.comm.comm import CollectiveChecks
 from lightning_zero.engine.comm.control import ControlChannel, PeerFailureError, abort_if_broken
 from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
 from lightning_zero.engine.comm.process_exit import destroy_at_exit, mark_failed
+from lightning_zero.engine.comm.sequence import CollectiveChecks
 from lightning_zero.engine.core.placeholder import has_hidden_parameters, refuse_module_sharded_elsewhere
 from lightning_zero.engine.free_memory import kept_sharded_text
 from lightning_zero.engine.io.files import find_checkpoint, remove_checkpoint
@@ -715,8 +715,9 @@ class ZeROStrategy(ProcessTopology, ParallelStrategy):
         """Write ``module`` (the transformers model the ``LightningModule`` holds, or any part of it) to the directory
         ``path`` as a Hugging Face checkpoint that plain ``from_pretrained`` loads: sharded safetensors with their
         index and the model's ``config.json``, each rank writing the tensors dealt to it, never the whole model on
-        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/checkpoint/hf_export.py``). A collective: call it
-        on every rank. When the module is not sharded (after ``fit``), rank 0 calls ``module.save_pretrained(path)``.
+        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/checkpoint/hf_export.py``). A collective:
+        call it on every rank. When the module is not sharded (after ``fit``), rank 0 calls
+        ``module.save_pretrained(path)``.
 
         Example::
 

@@ -7,8 +7,8 @@ import re
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_zero.engine.checkpoint.sharded import CheckpointMismatchError, CorruptCheckpointError
-from lightning_zero.engine.comm.comm import CollectiveMismatchError
 from lightning_zero.engine.core.optimizer import UnsupportedOptimizerError
+from lightning_zero.engine.errors import CollectiveMismatchError
 from lightning_zero.engine.meta.init_trace import MetaInitError
 from lightning_zero.strategies.checkpointing import (
     CheckpointSaveError,

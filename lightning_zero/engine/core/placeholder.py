@@ -15,7 +15,7 @@ first, and is answered by what it needs:
 - **a read of values** (``p.norm()``, ``p.detach().cpu()``, ``torch.equal(a.data, b.data)``,
   ``copy.deepcopy``): the units of the sharded parameters among the arguments are gathered (one
   all-gather each, in unit order, checked against the other ranks like any collective outside a step:
-  see [Note: collective checks] in ``comm.py``), the function runs on the gathered values, and the
+  see [Note: collective checks] in ``sequence.py``), the function runs on the gathered values, and the
   gathered copy is freed with the result. A read on every rank (a hook, ``on_fit_start``, a metric over
   the weights) gives DDP's value; a read on one rank only (``if trainer.is_global_zero: print(p.sum())``)
   is a collective the other ranks do not issue, and ends as a ``CollectiveMismatchError`` or a stall
@@ -54,7 +54,6 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.errors import ShardedParameterReadError, ShardedParameterWriteError
-
 
 _T = torch.Tensor
 # Answered from the placeholder: what a function may ask of a parameter without reading its values.

@@ -39,7 +39,6 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-
 # [Note: seeds while recording]
 # Random ops on meta draw nothing, so the replay draws them all, from the generator's state when recording began.
 # A seed set while recording (``torch.manual_seed(0)`` or ``L.seed_everything`` inside ``configure_model``) would be
