@@ -18,8 +18,8 @@ from typing import Any, Literal
 import torch
 from torch.nn import Module
 
-from lightning_zero.engine.comm.comm import CollectiveChecks
 from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.comm.sequence import CollectiveChecks
 from lightning_zero.engine.sharded_model import check_offload_params
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]

@@ -23,8 +23,8 @@ from torch.nn import Module
 
 from lightning_zero.driver.config import CheckpointFormat, NonFinitePolicy, StartMethod, ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
-from lightning_zero.engine.comm.comm import CollectiveChecks
 from lightning_zero.engine.comm.mesh import ShardSize
+from lightning_zero.engine.comm.sequence import CollectiveChecks
 from lightning_zero.engine.sharded_model import ShardedModel
 
 

@@ -3,11 +3,13 @@
 See ``sharded_model.ShardedModel`` for the entry point and ``layout.py`` for the vocabulary.
 """
 
-from lightning_zero.engine.comm.comm import CollectiveMismatchError, Comm, CommStats
+from lightning_zero.engine.comm.comm import Comm
+from lightning_zero.engine.comm.stats import CommStats
 from lightning_zero.engine.core.grouping import default_unit_policy, module_class_policy, owns_parameters, plan_units
 from lightning_zero.engine.core.layout import ParamShard, ShardLayout, ShardRange
 from lightning_zero.engine.core.optimizer import UnsupportedOptimizerError, check_elementwise
-from lightning_zero.engine.core.unit import ShardedUnit, UnitState
+from lightning_zero.engine.core.unit import ShardedUnit, UnitPhase, UnitState
+from lightning_zero.engine.errors import CollectiveMismatchError
 from lightning_zero.engine.meta.init_trace import MetaInitError, record_meta_init
 from lightning_zero.engine.sharded_model import ShardedModel
 
@@ -21,6 +23,7 @@ __all__ = [
     "ShardRange",
     "ShardedModel",
     "ShardedUnit",
+    "UnitPhase",
     "UnitState",
     "UnsupportedOptimizerError",
     "check_elementwise",

@@ -189,7 +189,7 @@ def begin_eval_step(comm: Comm, phase: str, step: int, describe: Callable[[], st
     rank's forward, and goes on to the next step; once no flag is up every rank has finished, and all leave
     the loop together, to what follows it (the loop's synced logging, the teardown) in step again. So one
     agreement per batch, as before, and one more per loop. A served step is a step of the "evaluation"
-    sequence like any other (see [Note: collective checks] in ``engine/comm/comm.py``): a batch that issues
+    sequence like any other (see [Note: collective checks] in ``engine/comm/sequence.py``): a batch that issues
     another collective than the forward's gathers (a per-batch synced log, a callback that communicates) is
     found, at once or by the stall report, with the serving rank's line saying that it serves. Not joined: a
     rank with no batch at all (Lightning skips its loop), and a step that takes ``dataloader_iter`` (its last

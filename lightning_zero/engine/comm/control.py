@@ -5,7 +5,7 @@ Collectives pair up by order, so ranks that take different paths deadlock, or ex
 data when the sizes happen to match. A ``ControlChannel`` is a second process group, always gloo
 on the CPU, next to the one that carries the tensors. Before something that ranks must do together
 (a step, a checkpoint save, a barrier, a collective that leaves the recorded order: see
-[Note: collective checks] in ``comm.py``), each rank all-gathers a row of eight integers that
+[Note: collective checks] in ``sequence.py``), each rank all-gathers a row of eight integers that
 describes what it is about to do. Equal rows: carry on. Different rows: every rank sees the same
 rows, exchanges one line of text saying what it was doing, and raises ``CollectiveMismatchError``
 naming every rank, before any rank issued the real collective. The exchange is host memory on a

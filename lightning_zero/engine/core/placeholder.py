@@ -15,7 +15,7 @@ first, and is answered by what it needs:
 - **a read of values** (``p.norm()``, ``p.detach().cpu()``, ``torch.equal(a.data, b.data)``,
   ``copy.deepcopy``): the units of the sharded parameters among the arguments are gathered (one
   all-gather each, in unit order, checked against the other ranks like any collective outside a step:
-  see [Note: collective checks] in ``comm.py``), the function runs on the gathered values, and the
+  see [Note: collective checks] in ``sequence.py``), the function runs on the gathered values, and the
   gathered copy is freed with the result. A read on every rank (a hook, ``on_fit_start``, a metric over
   the weights) gives DDP's value; a read on one rank only (``if trainer.is_global_zero: print(p.sum())``)
   is a collective the other ranks do not issue, and ends as a ``CollectiveMismatchError`` or a stall

@@ -132,6 +132,7 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.comm.comm import Comm, Pending
+from lightning_zero.engine.comm.labels import label
 from lightning_zero.engine.core.layout import ParamShard, ShardLayout
 from lightning_zero.engine.core.param_checks import check_unit_params
 from lightning_zero.engine.core.placeholder import (
@@ -146,8 +147,61 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class UnitState(enum.Enum):
+    """Whether a unit's full parameters exist on this rank (see [Note: unit lifecycle])."""
+
     SHARDED = "sharded"
     UNSHARDED = "unsharded"
+
+
+class UnitPhase(enum.Enum):
+    """Where the current step is with a unit (see [Note: unit lifecycle]).
+
+    [Note: unit lifecycle]
+    A unit has two states, which answer different questions and change at different points:
+
+    - its *storage*, ``UnitState``: ``SHARDED`` (only this rank's shard exists; the parameters are placeholders)
+      or ``UNSHARDED`` (``flat`` is allocated and gathered, or being gathered: ``gather_in_flight``). Only
+      ``unshard()`` and ``reshard()`` change it (both idempotent), and ``release``. Stages 1 and 2 stay
+      ``UNSHARDED``.
+    - its *phase*, ``UnitPhase``: how far the step has got with the unit, which decides when its storage may be
+      freed. The stage-3 schedule sets it (``Stage3Hooks``); under stages 1 and 2 nothing is gathered or freed
+      per unit, no module hook runs, and every unit stays ``IDLE``.
+
+    Over one training step (FSDP2's ``TrainingState`` has the same four)::
+
+        IDLE -> FORWARD -> IDLE -> PRE_BACKWARD -> POST_BACKWARD -> IDLE
+             pre-      post-    backward      its gradients     end of
+             forward   forward  reaches it    reduced           backward
+
+    - ``FORWARD``: from the unit's forward pre-hook to its post-hook, in training and evaluation alike (a module
+      called twice goes ``FORWARD -> IDLE`` twice). A forward while the unit is ``PRE_BACKWARD`` is an
+      activation-checkpointing recomputation inside backward: the phase stays, and so does the storage (what the
+      recomputation saves for backward is the parameters themselves).
+    - ``IDLE`` after forward: freed, unless held (the root unit during a step) or kept for backward (the last unit
+      of the recorded forward; every unit without ``reshard_after_forward``: see [Note: prefetch] in
+      ``stage3.py``). The storage says which.
+    - ``PRE_BACKWARD``: a gradient reached an output of the unit's forward; the unit is gathered (again) and stays
+      so while its backward may still read its parameters.
+    - ``POST_BACKWARD``: backward is done with the unit: the reduce-scatter of its trainable parameters' gradients
+      is issued (see [Note: reduce order] in ``grads.py``) and, if it has a frozen parameter, its inputs' gradients
+      are computed (see [Note: frozen units] in ``stage3.py``). It is freed then, unless held. A unit that backward
+      reaches again (a graph that gets to it by another path later) goes back to ``PRE_BACKWARD``.
+    - ``IDLE`` when the backward pass ends (``Stage3Hooks.after_backward``): units still ``PRE_BACKWARD`` (one with
+      a frozen parameter whose inputs' gradients never came) are freed then. And when the step ends
+      (``Stage3Hooks.end_step``) with no unit ``PRE_BACKWARD``: a forward that raised leaves its unit ``FORWARD``,
+      a step without backward leaves every unit ``IDLE`` already.
+
+    What is not a unit's phase stays where it is decided: whether the backward pass has started, which units are
+    held and which reductions were issued (the schedule's, for this pass), which gradients each rank produced (the
+    reducer's). The hooks that move a unit on are ranges in a profiler trace, ``ZeRO::pre_forward``,
+    ``ZeRO::post_forward``, ``ZeRO::pre_backward``, and so is its work, ``ZeRO::gather``, ``ZeRO::reduce_grads``,
+    ``ZeRO::release`` (see [Note: profiler labels] in ``comm/labels.py``).
+    """
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
 
 
 class ShardedUnit:
@@ -250,6 +304,7 @@ class ShardedUnit:
         self._reduce_plan: list[list[_Place]] | None = None  # see ``reduce_grads``
         self.shard_params = [self._make_shard_param(p, piece) for p, piece in zip(params, self.param_shards)]
         self.state = UnitState.UNSHARDED
+        self.phase = UnitPhase.IDLE  # set by the stage-3 schedule (see [Note: unit lifecycle])
         self.reshard()
 
     # ------------------------------------------------------------------ construction
@@ -313,15 +368,16 @@ class ShardedUnit:
         (prefetch) only issues the all-gather: a later ``unshard()`` waits for it, and only then do the
         parameters point at the gathered values."""
         if self.state is UnitState.SHARDED:
-            self.check_no_hidden_writes()
-            storage = self.flat.untyped_storage()
-            storage.resize_(self.layout.padded_numel * self.flat.element_size())
-            with torch.no_grad():
-                # Which unit is gathered when depends on the model's control flow: checked (see
-                # [Note: collective checks] in comm.py).
-                self._gathering = self.comm.all_gather(
-                    self.flat, self._gather_source(), name=self.name, guard=True, async_op=async_op
-                )
+            with label("ZeRO::gather", self.name):
+                self.check_no_hidden_writes()
+                storage = self.flat.untyped_storage()
+                storage.resize_(self.layout.padded_numel * self.flat.element_size())
+                with torch.no_grad():
+                    # Which unit is gathered when depends on the model's control flow: checked (see
+                    # [Note: collective checks] in sequence.py).
+                    self._gathering = self.comm.all_gather(
+                        self.flat, self._gather_source(), name=self.name, guard=True, async_op=async_op
+                    )
             self.state = UnitState.UNSHARDED
         if not async_op:
             self.wait_gather()
@@ -349,12 +405,13 @@ class ShardedUnit:
         """Free the full parameters (idempotent; a no-op for stages 1 and 2): they become placeholders."""
         if not self.reshard_after_forward or self.state is UnitState.SHARDED:
             return
-        self._finish_gather()
-        self._set_param_data(self._placeholders)
-        hide(self.params, self, self._hidden_classes)
-        self._exposed = False
-        self.record_hidden_versions()
-        self.flat.untyped_storage().resize_(0)
+        with label("ZeRO::release", self.name):
+            self._finish_gather()
+            self._set_param_data(self._placeholders)
+            hide(self.params, self, self._hidden_classes)
+            self._exposed = False
+            self.record_hidden_versions()
+            self.flat.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
 
     def record_hidden_versions(self) -> None:
@@ -447,7 +504,8 @@ class ShardedUnit:
             if self.reshard_after_forward and self.state is not UnitState.UNSHARDED:
                 return None
             self.wait_gather()
-            return self.comm.all_gather(self.flat, self._gather_source(), name=self.name, async_op=async_op)
+            with label("ZeRO::gather", self.name):
+                return self.comm.all_gather(self.flat, self._gather_source(), name=self.name, async_op=async_op)
 
     def after_master_loaded(self) -> None:
         """After this rank's master shard was written in place (pretrained weights, see [Note: pretrained weights
@@ -614,52 +672,53 @@ class ShardedUnit:
         after the reduction each rank's slot is positive exactly when some rank left a parameter unused. With
         ``check_finite`` a rank whose gradients hold an inf or NaN makes the slot NaN, so after the reduction it is
         NaN (on every rank) exactly when some rank's are (see [Note: which gradients exist] in ``grads.py``)."""
-        width = self.layout.shard_numel + 1
-        flat_grad = (
-            buffer
-            if buffer is not None
-            else torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=self.device)
-        )
-        chunks = flat_grad.view(self.layout.world_size, width)
-        if self._reduce_plan is None:  # where each parameter (and the padding) lands in the chunks: made once
-            layout = self.layout
-            self._reduce_plan = [_chunk_plan(width, o, n) for o, n in zip(layout.offsets, layout.numels)]
-            self._reduce_plan.append(_chunk_plan(width, layout.numel, layout.padded_numel - layout.numel))
-        grads = [p.grad for p in self.params]
-        if self.layout.padded_numel <= _CONCATENATED_UP_TO and all(g is not None for g in grads):
-            # A small unit with every gradient: one concatenation and one copy into the chunks, two dispatches in
-            # place of a few per parameter (on a small model, the Python around them is most of the cost).
-            padding = self.layout.padded_numel - self.layout.numel
-            pieces = [g.reshape(-1) for g in grads]
-            if padding:
-                pieces.append(grads[0].new_zeros(padding))
-            chunks[:, :-1].copy_(torch.cat(pieces).view(self.layout.world_size, width - 1))
-            for param in self.params:
-                param.grad = None
-            everything = [True] * len(grads)
-            return self._issue_reduction(flat_grad, chunks, everything, False, check_finite, async_op, give_back)
-        had_grad = []
-        unused_here = False
-        targets: list[torch.Tensor] = []
-        sources: list[torch.Tensor] = []
-        zeroed = [_region(chunks, place) for place in self._reduce_plan[-1]]  # the padding
-        for param, grad, plan in zip(self.params, grads, self._reduce_plan):
-            had_grad.append(grad is not None)
-            if grad is not None:
-                source = grad.reshape(-1)
-                for place in plan:
-                    region = _region(chunks, place)
-                    targets.append(region)
-                    sources.append(source[place[0] : place[0] + region.numel()].view(region.shape))
-                param.grad = None
-            else:
-                unused_here = unused_here or param.requires_grad
-                zeroed.extend(_region(chunks, place) for place in plan)
-        if targets:
-            torch._foreach_copy_(targets, sources)  # one dispatch for all the copies
-        if zeroed:
-            torch._foreach_zero_(zeroed)
-        return self._issue_reduction(flat_grad, chunks, had_grad, unused_here, check_finite, async_op, give_back)
+        with label("ZeRO::reduce_grads", self.name):
+            width = self.layout.shard_numel + 1
+            flat_grad = (
+                buffer
+                if buffer is not None
+                else torch.empty(self.reduce_numel, dtype=self.reduce_dtype, device=self.device)
+            )
+            chunks = flat_grad.view(self.layout.world_size, width)
+            if self._reduce_plan is None:  # where each parameter (and the padding) lands in the chunks: made once
+                layout = self.layout
+                self._reduce_plan = [_chunk_plan(width, o, n) for o, n in zip(layout.offsets, layout.numels)]
+                self._reduce_plan.append(_chunk_plan(width, layout.numel, layout.padded_numel - layout.numel))
+            grads = [p.grad for p in self.params]
+            if self.layout.padded_numel <= _CONCATENATED_UP_TO and all(g is not None for g in grads):
+                # A small unit with every gradient: one concatenation and one copy into the chunks, two dispatches in
+                # place of a few per parameter (on a small model, the Python around them is most of the cost).
+                padding = self.layout.padded_numel - self.layout.numel
+                pieces = [g.reshape(-1) for g in grads]
+                if padding:
+                    pieces.append(grads[0].new_zeros(padding))
+                chunks[:, :-1].copy_(torch.cat(pieces).view(self.layout.world_size, width - 1))
+                for param in self.params:
+                    param.grad = None
+                everything = [True] * len(grads)
+                return self._issue_reduction(flat_grad, chunks, everything, False, check_finite, async_op, give_back)
+            had_grad = []
+            unused_here = False
+            targets: list[torch.Tensor] = []
+            sources: list[torch.Tensor] = []
+            zeroed = [_region(chunks, place) for place in self._reduce_plan[-1]]  # the padding
+            for param, grad, plan in zip(self.params, grads, self._reduce_plan):
+                had_grad.append(grad is not None)
+                if grad is not None:
+                    source = grad.reshape(-1)
+                    for place in plan:
+                        region = _region(chunks, place)
+                        targets.append(region)
+                        sources.append(source[place[0] : place[0] + region.numel()].view(region.shape))
+                    param.grad = None
+                else:
+                    unused_here = unused_here or param.requires_grad
+                    zeroed.extend(_region(chunks, place) for place in plan)
+            if targets:
+                torch._foreach_copy_(targets, sources)  # one dispatch for all the copies
+            if zeroed:
+                torch._foreach_zero_(zeroed)
+            return self._issue_reduction(flat_grad, chunks, had_grad, unused_here, check_finite, async_op, give_back)
 
     def _issue_reduction(
         self,

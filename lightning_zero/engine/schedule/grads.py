@@ -114,6 +114,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from lightning_zero.engine.comm.comm import Comm
+from lightning_zero.engine.comm.labels import label
 from lightning_zero.engine.core.unit import ReducedGrads, ShardedUnit
 from lightning_zero.engine.errors import ShardedGradientError
 
@@ -384,26 +385,27 @@ class GradReducer:
 
     def finish_backward(self) -> None:
         """Reduce what is left, decide which sharded gradients exist, attach them."""
-        try:
-            if self.sync_enabled:
-                while self._next < len(self.order):
-                    self._reduce(self.order[self._next])
-                while self._in_flight:
-                    self._complete_oldest()
-                self._attach_pending()
-        finally:
-            while self._in_flight:  # after an error: nothing may still write into freed memory
-                self._in_flight.popleft().wait()
-            self._pool.clear()  # nothing full-size outlives the backward pass (see [Note: overlap])
-            self._completed = []
-            self._next = 0
-            self._callback_queued = False
-            self._pending.clear()
-            self._expected.clear()
-            for ready in self._ready.values():
-                ready.clear()
-        if self.after_backward is not None:
-            self.after_backward()
+        with label("ZeRO::finish_backward"):
+            try:
+                if self.sync_enabled:
+                    while self._next < len(self.order):
+                        self._reduce(self.order[self._next])
+                    while self._in_flight:
+                        self._complete_oldest()
+                    self._attach_pending()
+            finally:
+                while self._in_flight:  # after an error: nothing may still write into freed memory
+                    self._in_flight.popleft().wait()
+                self._pool.clear()  # nothing full-size outlives the backward pass (see [Note: overlap])
+                self._completed = []
+                self._next = 0
+                self._callback_queued = False
+                self._pending.clear()
+                self._expected.clear()
+                for ready in self._ready.values():
+                    ready.clear()
+            if self.after_backward is not None:
+                self.after_backward()
 
     def _attach_pending(self) -> None:
         if not self._pending:

@@ -7,6 +7,9 @@
 - after the unit's gradients are reduced (``GradReducer``), or when backward ends: ``reshard()``
   (a unit with frozen parameters: see [Note: frozen units]).
 
+Each of these moves the unit to its next phase, ``FORWARD``, ``IDLE``, ``PRE_BACKWARD``, ``POST_BACKWARD``, and
+the phase says what backward still needs (see [Note: unit lifecycle] in ``unit.py``).
+
 The forward hooks run eagerly, outside ``torch.compile`` graphs (see [Note: torch.compile] in ``compiled.py``).
 
 [Note: prefetch]
@@ -65,7 +68,8 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from lightning_zero.engine.core.unit import ShardedUnit
+from lightning_zero.engine.comm.labels import label
+from lightning_zero.engine.core.unit import ShardedUnit, UnitPhase
 from lightning_zero.engine.errors import FoldedModuleError
 from lightning_zero.engine.schedule.compiled import outside_graphs
 
@@ -93,7 +97,7 @@ class Stage3Hooks:
         self.queue_finish = queue_finish
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
-        self.in_backward: set[ShardedUnit] = set()
+        # Which units backward still needs is their phase, PRE_BACKWARD (see [Note: unit lifecycle] in unit.py).
         self.held: set[ShardedUnit] = set()
         self._handles: list[Any] = []
         self.forward_order = _Order()
@@ -177,11 +181,14 @@ class Stage3Hooks:
 
     def _pre_forward(self, unit: ShardedUnit):
         def hook(_module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-            self._unit_starts(unit, (args, kwargs))
+            with label("ZeRO::pre_forward", unit.name):
+                self._unit_starts(unit, (args, kwargs))
 
         return hook
 
     def _unit_starts(self, unit: ShardedUnit, inputs: Any) -> None:
+        if unit.phase is not UnitPhase.PRE_BACKWARD:  # else a recomputation inside backward: backward keeps it
+            unit.phase = UnitPhase.FORWARD
         order = self._pass_order
         if order is not None and torch.is_grad_enabled() == self._training and unit not in self.held:
             self._prefetch(order.reached(unit))
@@ -215,11 +222,14 @@ class Stage3Hooks:
 
     def _post_forward(self, unit: ShardedUnit):
         def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-            self._unit_ends(unit, output)
+            with label("ZeRO::post_forward", unit.name):
+                self._unit_ends(unit, output)
 
         return hook
 
     def _unit_ends(self, unit: ShardedUnit, output: Any) -> None:
+        if unit.phase is UnitPhase.FORWARD:
+            unit.phase = UnitPhase.IDLE
         tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         training = tensors and torch.is_grad_enabled()
         if training:
@@ -227,20 +237,21 @@ class Stage3Hooks:
         # Kept gathered: every unit without reshard_after_forward; the unit that ends the recorded forward
         # in any case, since backward starts with it.
         keep = training and (not self.reshard_after_forward or self.forward_order.at_end(unit))
-        if unit not in self.in_backward and unit not in self.held and not keep:
+        if unit.phase is not UnitPhase.PRE_BACKWARD and unit not in self.held and not keep:
             unit.reshard()
 
     def _pre_backward(self, unit: ShardedUnit):
         def hook(_grad: torch.Tensor) -> None:
-            self.queue_finish()
-            if not self._backward_started:
-                self._backward_started = True
-                self.forward_order.finish()
-                self.backward_order.start()
-            self.in_backward.add(unit)
-            if unit not in self.held:
-                self._prefetch(self.backward_order.reached(unit))
-            unit.unshard()
+            with label("ZeRO::pre_backward", unit.name):
+                self.queue_finish()
+                if not self._backward_started:
+                    self._backward_started = True
+                    self.forward_order.finish()
+                    self.backward_order.start()
+                unit.phase = UnitPhase.PRE_BACKWARD
+                if unit not in self.held:
+                    self._prefetch(self.backward_order.reached(unit))
+                unit.unshard()
 
         return hook
 
@@ -251,11 +262,11 @@ class Stage3Hooks:
         self._free_if_done(unit)
 
     def _free_if_done(self, unit: ShardedUnit) -> None:
-        if unit not in self.in_backward or self._open_inputs.get(unit, 0) > 0:
+        if unit.phase is not UnitPhase.PRE_BACKWARD or self._open_inputs.get(unit, 0) > 0:
             return
         if any(p.requires_grad for p in unit.params) and unit not in self._reduced:
             return
-        self.in_backward.discard(unit)
+        unit.phase = UnitPhase.POST_BACKWARD
         if unit not in self.held:
             unit.reshard()
 
@@ -264,15 +275,16 @@ class Stage3Hooks:
         self._backward_started = False
         self._open_inputs.clear()
         self._reduced.clear()
-        for unit in self.in_backward - self.held:
-            unit.reshard()
-        self.in_backward.clear()
+        for unit in self.units:
+            if unit.phase is UnitPhase.PRE_BACKWARD and unit not in self.held:
+                unit.reshard()
+            unit.phase = UnitPhase.IDLE
         self.free_unused()
 
     def free_unused(self) -> None:
         """Units gathered but not in use (prefetched for a pass that went elsewhere, kept after forward)."""
         for unit in self.units:
-            if unit.is_unsharded and unit not in self.held and unit not in self.in_backward:
+            if unit.is_unsharded and unit not in self.held and unit.phase is not UnitPhase.PRE_BACKWARD:
                 unit.reshard()
 
     def end_step(self) -> None:
@@ -282,7 +294,9 @@ class Stage3Hooks:
             self._pass_order.finish()
         self._pass_order = None
         self._training = False
-        if not self.in_backward:
+        if not any(unit.phase is UnitPhase.PRE_BACKWARD for unit in self.units):
+            for unit in self.units:  # (a forward that raised left its unit FORWARD)
+                unit.phase = UnitPhase.IDLE
             self.free_unused()
 
     def hold(self, unit: ShardedUnit) -> None:
