@@ -1,5 +1,5 @@
 """Nothing of a run outlives its teardown: no thread, no process group (see [Note: nothing outlives teardown] in
-``lightning_zero/engine/control.py``), and a script that trains exits 0 every time, through Lightning's own
+``lightning_zero/engine/comm/control.py``), and a script that trains exits 0 every time, through Lightning's own
 launcher."""
 
 from __future__ import annotations

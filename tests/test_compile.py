@@ -1,7 +1,7 @@
 """``torch.compile`` under every stage, through a real Trainer on 2 CPU ranks, against DDP.
 
 One process group trains three models under ``DDPStrategy`` and the three stages, from the same seed and
-data (see [Note: torch.compile] in ``lightning_zero/engine/compiled.py`` for where graphs break):
+data (see [Note: torch.compile] in ``lightning_zero/engine/schedule/compiled.py`` for where graphs break):
 
 - ``"submodules"``: one block wrapped (``torch.compile(Block())``), one compiled in place
   (``block.compile()``), the embedding and the (tied) head left eager; default units;

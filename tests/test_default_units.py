@@ -1,4 +1,4 @@
-"""The default units (see [Note: default units] in ``lightning_zero/engine/grouping.py``): which modules
+"""The default units (see [Note: default units] in ``lightning_zero/engine/core/grouping.py``): which modules
 they pick, on small hand-made models and on the real-model matrix, and the first-step check of folded
 modules (see [Note: folded modules] in ``stage3.py``). One process, no collectives."""
 

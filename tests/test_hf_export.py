@@ -1,7 +1,7 @@
 """A fine-tuned sharded model written as a Hugging Face checkpoint by every rank at once
 (``strategy.save_pretrained(module, path)``, see [Note: writing a Hugging Face checkpoint] in
-``lightning_zero/engine/hf_export.py``), read back by plain ``from_pretrained`` in a fresh process: the weights and
-the logits are bitwise the trained ones, under the Trainer and under Fabric."""
+``lightning_zero/engine/checkpoint/hf_export.py``), read back by plain ``from_pretrained`` in a fresh process: the
+weights and the logits are bitwise the trained ones, under the Trainer and under Fabric."""
 
 from __future__ import annotations
 

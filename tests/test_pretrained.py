@@ -2,7 +2,7 @@
 ``configure_model`` (or under ``fabric.init_module()``) as users write them, against DDP running the same code (the
 plain ``from_pretrained`` there). The "pretrained" checkpoints are tiny models saved in the test with
 ``save_pretrained`` (no downloads). See [Note: pretrained weights under meta init] in
-``lightning_zero/engine/pretrained.py``."""
+``lightning_zero/engine/meta/pretrained.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``fabric.save`` / ``fabric.load`` under the ZeRO strategies: Fabric's state dict in, files out, and back.
 
-The files are the Trainer strategies' (see ``lightning_zero/strategies/checkpointing.py``):
+The files are the Trainer strategies' (see ``lightning_zero/driver/checkpointing.py``):
 
 - ``"sharded"``: a directory in which every rank writes its pieces of the model's parameters and of
   the optimizers' states with ``torch.distributed.checkpoint`` (``engine/checkpoint/sharded.py``: names

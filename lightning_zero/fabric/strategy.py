@@ -1,18 +1,19 @@
-"""``ZeROFabricStrategy``: the Fabric glue shared by the three stages.
+"""``ZeROFabricStrategy``: Fabric's door, shared by the three stages.
 
-The same split as the Trainer strategies (``lightning_zero/strategies/base.py``): Fabric owns
-processes (its launchers and cluster environments, as for its ``DDPStrategy``) and the user owns the
-loop; the engine (``lightning_zero.engine.ShardedModel``) owns parameters, gradients and optimizer
-states. This class connects them at the hooks Fabric calls:
+A thin adapter over the ``ZeRODriver`` the Trainer's strategies use too (see [Note: one driver, two doors] in
+``driver/driver.py``): Fabric owns processes (its launchers and cluster environments, as for its
+``DDPStrategy``) and the user owns the loop; the driver owns the process group, the ``ShardedModel``, saves and
+failures. This class translates the hooks Fabric calls:
 
 - ``setup_module`` shards the module and returns a wrapper whose ``forward`` brackets the user's
   forward (see [Note: Fabric steps] in ``wrapper.py``); ``setup_optimizer`` binds each optimizer to the shards;
 - ``backward`` ends the step, ``optimizer_step`` steps this rank's master pieces and all-gathers the
   updated shards, ``no_backward_sync`` defers the reduction, ``clip_gradients_*`` clip with the
   global norm;
-- ``save_checkpoint`` / ``load_checkpoint`` (``lightning_zero/fabric/checkpoint.py``) write and read the
-  same sharded directories (or full files) as the Trainer strategies;
-- ``module_init_context`` records a meta-device construction so stage 3 creates the model sharded.
+- ``save_checkpoint`` / ``load_checkpoint`` (``lightning_zero/fabric/checkpoint.py``) write, through the
+  driver's save protocol, and read the same sharded directories (or full files) as the Trainer strategies;
+- ``module_init_context`` records a meta-device construction so stage 3 creates the model sharded;
+- what the strategy's calls raise, and what escapes ``fabric.launch(fn)``, goes to ``on_exception``.
 """
 
 from __future__ import annotations

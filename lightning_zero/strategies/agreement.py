@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_zero.driver.agreement import PHASES, trainable_hash
 from lightning_zero.engine import Comm
-from lightning_zero.engine.comm.control import SERVING
+from lightning_zero.engine.comm.advice import SERVING
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
-"""``ZeROStrategy``: the Lightning glue shared by the three stages.
+"""``ZeROStrategy``: the Trainer's door, shared by the three stages.
 
-Lightning owns processes (its launchers and cluster environments, exactly as for
-``DDPStrategy``), the loops, logging and checkpoint files; the engine
-(``lightning_zero.engine.ShardedModel``) owns parameters, gradients and optimizer states. This
-class connects the two at the hooks Lightning offers: ``setup`` shards the module and binds the
-optimizers, the ``*_step`` hooks bracket user code so stage 3 can hold the root unit,
-``optimizer_step`` spreads updated shards, ``block_backward_sync`` defers stage-1 reduction, and
-the state-dict hooks convert between shards and the full, DDP-shaped state.
+A thin adapter over the ``ZeRODriver`` Fabric's strategies use too (see [Note: one driver, two doors] in
+``driver/driver.py``). Lightning owns processes (its launchers and cluster environments, exactly as for
+``DDPStrategy``), the loops, logging and checkpoint files; the driver owns the process group, the
+``ShardedModel``, saves and failures. This class translates the hooks Lightning offers: ``setup`` shards the
+module and binds the optimizers, the ``*_step`` hooks bracket user code so stage 3 can hold the root unit (the
+evaluation steps in ``evaluation.py``), ``optimizer_step`` spreads updated shards, ``block_backward_sync``
+defers stage-1 reduction, and the state-dict hooks convert between shards and the full, DDP-shaped state.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -54,6 +53,7 @@ from lightning_zero.engine.meta.materialize import has_meta_tensors
 from lightning_zero.engine.sharded_model import ShardedModel
 from lightning_zero.strategies import agreement
 from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
+from lightning_zero.strategies.evaluation import EvaluationSteps
 from lightning_zero.strategies.memory_report import MemoryReport, memory_report
 from lightning_zero.strategies.precision import ZeROPrecision
 from lightning_zero.strategies.stats import StepStats
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 LIGHTNING_REDUCE = "Lightning's reduce (self.log(..., sync_dist=True))"
 
 
-class ZeROStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
+class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrategy):
     """Shared base of ``ZeRO1Strategy``, ``ZeRO2Strategy`` and ``ZeRO3Strategy``; use those.
 
     Args:
@@ -334,78 +334,6 @@ class ZeROStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
             if not self.lightning_module.automatic_optimization:
                 self.sharded_model.end_step()
 
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self._eval_step():
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        with self._eval_step():
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._eval_step():
-            return super().predict_step(*args, **kwargs)
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self._start_evaluation()
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self._start_evaluation()
-
-    @override
-    def on_predict_start(self) -> None:
-        super().on_predict_start()
-        self._start_evaluation()
-
-    def _start_evaluation(self) -> None:
-        """An evaluation loop starts: its steps count from 1 (see [Note: uneven evaluation])."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        self._evaluation = (_eval_phase(trainer), 0)
-
-    @contextmanager
-    def _eval_step(self) -> Generator[None, None, None]:
-        """Around ``validation_step``, ``test_step``, ``predict_step``: see [Note: uneven evaluation] in
-        ``strategies/agreement.py``."""
-        sharded = self.sharded_model
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        phase = _eval_phase(trainer)
-        step = (self._evaluation[1] if self._evaluation is not None else 0) + 1
-        self._evaluation = (phase, step)
-        trained = self._steps.get("training", 0)
-        after = f"after {trained} training steps" if trained else "no training steps yet"
-        joined = sharded.stage3 is not None  # only stage 3 gathers in forward
-        agreement.begin_eval_step(sharded.comm, phase, step, lambda: f"{phase} step {step} ({after})", joined)
-        with self._evaluation_forward():
-            yield
-        if not joined:
-            sharded.comm.end_sequence()  # the next step may run on some ranks only
-        elif _is_last_eval_batch(trainer):
-            describe = partial(agreement.describe_serving, phase, step, after)
-            served = agreement.serve_eval_steps(sharded.comm, phase, step, describe, self._replay_eval_forward)
-            self._steps[f"{phase} served"] = self._steps.get(f"{phase} served", 0) + served  # since setup
-
-    @contextmanager
-    def _evaluation_forward(self) -> Generator[None, None, None]:
-        sharded = self.sharded_model
-        held_already = sharded.root_held  # validation in the middle of gradient accumulation keeps the hold
-        sharded.begin_step(training=False)
-        try:
-            yield
-        finally:
-            if not held_already:
-                sharded.end_step()
-
-    def _replay_eval_forward(self) -> None:
-        with self._evaluation_forward():
-            self.sharded_model.replay_eval_forward()
-
     def _agree_on_next_batch(self, sigterm: bool) -> bool | None:
         """See [Note: the start of a training batch] in ``strategies/agreement.py``: returns whether any rank
         received SIGTERM (``None`` if nothing was agreed)."""
@@ -671,30 +599,6 @@ class ZeROStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
 
 
 _SHARDED_KEYS = ("state_dict", "optimizer_states")
-_EVALUATION_LOOPS = {
-    TrainerFn.VALIDATING: "validate_loop",
-    TrainerFn.TESTING: "test_loop",
-    TrainerFn.PREDICTING: "predict_loop",
-}
-
-
-def _is_last_eval_batch(trainer: Any) -> bool:
-    """Whether the batch of the evaluation step under way is this rank's last of the loop (``False`` if unknown:
-    a step that takes ``dataloader_iter``)."""
-    fn = getattr(getattr(trainer, "state", None), "fn", None)
-    if fn == TrainerFn.FITTING:
-        loop = trainer.fit_loop.epoch_loop.val_loop  # validation and the sanity check
-    else:
-        loop = getattr(trainer, _EVALUATION_LOOPS.get(fn, ""), None)
-    return bool(getattr(getattr(loop, "batch_progress", None), "is_last_batch", False))
-
-
-def _eval_phase(trainer: Any) -> str:
-    stage = getattr(getattr(trainer, "state", None), "stage", None)
-    value = getattr(stage, "value", "")
-    return {"sanity_check": "sanity check", "validate": "validation", "test": "test", "predict": "predict"}.get(
-        value, "validation"
-    )
 
 
 def _move_real_tensors(module: Module, device: torch.device) -> None:

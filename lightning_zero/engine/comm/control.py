@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_zero.engine.comm.advice import explain_texts
 from lightning_zero.engine.errors import CollectiveMismatchError, PeerFailureError
 
 ROW = 8  # integers per agreement row
@@ -499,143 +499,3 @@ def abort_if_broken(comm: Any) -> None:
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is not None:
         abort(comm.group)
-
-
-_COLLECTIVE_TEXT = re.compile(
-    r"(waiting for the other ranks to agree on: )?(all_gather|reduce_scatter|all_reduce|broadcast) of"
-)
-# What a rank inside an evaluation loop says (see [Note: uneven evaluation] in strategies/agreement.py): about to
-# start one of its steps, or in a collective of one.
-_IN_EVALUATION = re.compile(r"(?:start |collective \d+ of )(validation|sanity check|test|predict) step (\d+)")
-SERVING = "serves the gathers of the ranks still running"  # what a stage-3 rank that has run out of batches says
-# Per evaluation phase: the prefix of its dataloader hook and limit_*_batches, and its step hook.
-_HOOKS = {
-    "validation": ("val", "validation_step"),
-    "sanity check": ("val", "validation_step"),
-    "test": ("test", "test_step"),
-    "predict": ("predict", "predict_step"),
-}
-
-
-# What the gathers of ``state_dict()`` and of a parameter read are named (``ShardedUnit.full_flat``, ``read_values``).
-STATE_DICT_GATHER = "(state_dict())"
-EXPORT_GATHER = "(save_pretrained())"
-PARAMETER_READ = "outside its forward)"
-
-
-def explain_texts(texts: list[str], stage: int | None = None) -> str:
-    """Advice for a failed agreement, from what the ranks said they were doing; ``stage``: the ZeRO stage of the
-    run, when known (the advice differs: stages 1 and 2 have no collective in forward)."""
-    advice = []
-    uneven = _uneven_evaluation(texts)
-    if uneven is not None:
-        advice.append(_uneven_advice(uneven, stage, any(SERVING in t for t in texts)))
-    elif any(EXPORT_GATHER in t for t in texts):
-        advice.append(
-            "strategy.save_pretrained(module, path) is a collective under lightning_zero (every rank gathers the "
-            "units and writes its own file): call it on every rank, not under `if trainer.is_global_zero`."
-        )
-    elif any(STATE_DICT_GATHER in t for t in texts):
-        advice.append(
-            "module.state_dict() gathers the stage-3 parameters from every rank (and save_pretrained calls it): "
-            "call it on every rank, not under `if trainer.is_global_zero`; to write the files on one rank, call "
-            "model.save_pretrained(path, is_main_process=trainer.is_global_zero) on every rank."
-        )
-    elif any(PARAMETER_READ in t for t in texts):
-        advice.append(
-            "Reading a stage-3 parameter outside its module's forward gathers its unit from every rank: make the "
-            "read on every rank (not under `if trainer.is_global_zero`), or read inside "
-            "`with trainer.strategy.gathered_parameters(module):` on every rank."
-        )
-    elif any(_COLLECTIVE_TEXT.match(t) for t in texts) and stage in (1, 2):
-        advice.append(
-            "Every rank must issue the same collectives in the same order. Under stages 1 and 2 the forward issues "
-            "none: besides the gradient reduction and the parameter gathers of the optimizer step, these come from "
-            "code that runs on some ranks only, or a different number of times per rank (self.log(..., "
-            "sync_dist=True), self.all_gather, a callback or metric that communicates). Run it on every rank alike."
-        )
-    elif any(_COLLECTIVE_TEXT.match(t) for t in texts):
-        advice.append(
-            "Under stage 3 every rank must run the same submodules in the same order (a data-dependent branch, a "
-            "mixture-of-experts layer, a forward under torch.no_grad() on some ranks only, or a generation loop "
-            "that stops early on one rank breaks this). Run the same modules on every rank (e.g. call unused "
-            "experts on an empty batch; for transformers' model.generate(...), pass synced_gpus=True), make the "
-            "branch depend on all ranks, or use stage 1 or 2, which handle it."
-        )
-    if any("save_checkpoint" in t for t in texts):
-        advice.append(
-            "trainer.save_checkpoint is a collective under lightning_zero (every rank writes its part): call it on "
-            "every rank, not under `if trainer.is_global_zero` (ModelCheckpoint already does this right)."
-        )
-    if (
-        uneven is None
-        and any(t.startswith(("start ", "teardown")) for t in texts)
-        and not any("save_checkpoint" in t for t in texts)
-    ):
-        advice.append(
-            "Every rank must run the same steps: the same number of batches per epoch (with "
-            "use_distributed_sampler=False, your sampler must give every rank as many batches, e.g. "
-            "DistributedSampler(drop_last=True)), and the same trainable parameters (freeze and unfreeze on every "
-            "rank alike)."
-        )
-    if any(t.startswith(("barrier", "broadcast")) for t in texts):
-        advice.append("Barriers and broadcasts must be reached by every rank.")
-    return "\n".join(advice)
-
-
-def _uneven_evaluation(texts: list[str]) -> str | None:
-    """The evaluation phase in which some ranks still run batches while others have finished theirs (they are
-    elsewhere, or serve the others' gathers), if that is what ``texts`` say; else ``None``."""
-    found = [m for t in texts if (m := _IN_EVALUATION.search(t)) is not None]
-    if not found:
-        return None
-    if len(found) == len(texts) and not any(SERVING in t for t in texts):
-        return None  # every rank is inside the loop: they run different code, not different numbers of batches
-    if all(m.group(2) == "1" for m in found) and any(t.startswith("start training step") for t in texts):
-        return None  # one rank starts evaluating while another trains on: different numbers of training batches
-    return found[0].group(1)
-
-
-def _uneven_advice(phase: str, stage: int | None, serving: bool) -> str:
-    loader, step = _HOOKS[phase]
-    said = (
-        f"The ranks have different numbers of {phase} batches: one has finished its {phase} loop while another is "
-        "still in it (each rank's line above says where it is)."
-    )
-    per_batch = (
-        "self.log(..., sync_dist=True) with on_step=True, self.all_gather, a callback or metric that communicates on "
-        "every batch"
-    )
-    logging = (
-        "Log per-batch values without sync_dist (with on_step=False a synced value is reduced once, after the last "
-        "batch, when every rank has finished)"
-    )
-    fix = (
-        f"give every rank as many {phase} batches: keep Lightning's sampler for validation and test (a "
-        "DistributedSampler, which pads every rank to the same count), or with use_distributed_sampler=False use "
-        f"DistributedSampler(dataset) in {loader}_dataloader(), or set limit_{loader}_batches to the smallest rank's "
-        "count."
-    )
-    if serving:
-        return (
-            f"{said} Under stage 3 a rank that has finished keeps serving the parameter gathers of the ranks still "
-            f"running (one forward's gathers for each batch they run), but no other collective: here a batch also "
-            f"issued one ({per_batch}). {logging}, or {fix}"
-        )
-    if stage == 3:
-        return (
-            f"{said} Under stage 3 a rank that has finished keeps serving the parameter gathers of the ranks still "
-            f"running, from the end of its last batch, but a rank with no {phase} batch at all, or whose {step} takes "
-            f"dataloader_iter (its last batch is not known in advance), cannot. Give every rank at least one batch "
-            f"(and a {step} without dataloader_iter), or {fix}"
-        )
-    if stage in (1, 2):
-        return (
-            f"{said} Stages 1 and 2 run that as DDP does, as long as no batch issues a collective (the ranks that "
-            f"have finished never join it): here one did ({per_batch}; or the buffer broadcast of the first batch "
-            f"after training, with a rank that has no {phase} batch at all). {logging}, or {fix}"
-        )
-    return (
-        f"{said} Stages 1 and 2 run that as DDP does as long as no batch issues a collective ({per_batch}), and "
-        f"under stage 3 a rank that has finished serves the parameter gathers of the others. {logging}, or {fix}"
-    )

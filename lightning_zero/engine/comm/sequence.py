@@ -39,13 +39,13 @@ from typing import Literal
 
 import torch.distributed as dist
 
+from lightning_zero.engine.comm.advice import explain_texts as _explain
 from lightning_zero.engine.comm.control import (
     CollectiveMismatchError,
     ControlChannel,
     PeerFailureError,
     code_of,
 )
-from lightning_zero.engine.comm.control import explain_texts as _explain
 from lightning_zero.engine.comm.labels import label
 from lightning_zero.engine.comm.stats import CommStats
 

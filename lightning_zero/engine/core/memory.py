@@ -1,4 +1,4 @@
-"""Model-state memory in theory: the ZeRO paper's table (see DESIGN.md, "Memory theory").
+"""Model-state memory in theory: the ZeRO paper's table (see ``docs/stages.md``, "Memory (fp32, Adam)").
 
 ``Ψ`` parameters, ``N`` ranks, ``K`` bytes of optimizer state per parameter (8 for fp32 Adam:
 two moments). Persistent bytes per rank:

@@ -520,7 +520,7 @@ class ShardedUnit:
     def full_flat(self, purpose: str | None = None) -> torch.Tensor:
         """A full copy of the flat buffer in the master dtype, gathered (for state dicts). With ``purpose`` (what
         user code asked for: ``"state_dict()"``), the gather is named after it and agreed with the other ranks
-        outside steps, so a call on one rank only is reported as such (see ``control.explain_texts``)."""
+        outside steps, so a call on one rank only is reported as such (see ``advice.explain_texts``)."""
         self._finish_gather()
         if self.state is UnitState.UNSHARDED and not self.separate_master:
             return self.flat.detach().clone()

@@ -136,7 +136,7 @@ def materialize_units(
         raise MetaInitError(
             "Another profiler held sys.setprofile while configure_model built the model under meta_init (the stage-3 "
             "default), so the torch.nn.init and transformers initialization it runs could not be recorded (see "
-            "[Note: init calls on meta] in lightning_zero/engine/init_calls.py). Start the profiler after setup, "
+            "[Note: init calls on meta] in lightning_zero/engine/meta/init_calls.py). Start the profiler after setup, "
             "or pass meta_init=False."
         )
     metas = {

@@ -19,10 +19,11 @@ is called, the hooks run eagerly, and the unit's own ``forward`` is compiled as 
 
 - **Stages 1 and 2** install no module hook (their gradient hooks fire in autograd's engine after the
   compiled backward produced the gradient): a compiled module gives DDP's graphs.
-- **Stage 3** breaks the graph wherever compiled code calls a unit. With the default units (every
-  module that owns parameters), each ``Linear`` and ``LayerNorm`` is one, so little is fused. With
-  transformer blocks as units (``unit_modules=[Block]``) and each block compiled, a block contains no
-  other unit: one graph per block, as DDP's, and ``fullgraph=True`` works.
+- **Stage 3** breaks the graph wherever compiled code calls a unit. With one unit per module that owns
+  parameters (``unit_modules=[nn.Linear, nn.LayerNorm, ...]``), each ``Linear`` and ``LayerNorm`` is one, so
+  little is fused. With transformer blocks as units (``unit_modules=[Block]``, or the default's repeated
+  blocks) and each block compiled, a block contains no other unit: one graph per block, as DDP's, and
+  ``fullgraph=True`` works.
 - A graph break inside a loop (``for block in self.blocks``) makes Dynamo run that whole frame eagerly
   and compile the frames it calls instead: compiling a whole model under stage 3 compiles, in effect,
   the code of each unit.
