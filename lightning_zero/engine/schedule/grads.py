@@ -115,8 +115,9 @@ from torch.autograd import Variable
 
 from lightning_zero.engine.comm.comm import Comm
 from lightning_zero.engine.comm.labels import label
-from lightning_zero.engine.core.unit import ReducedGrads, ShardedUnit
+from lightning_zero.engine.core.unit import ShardedUnit
 from lightning_zero.engine.errors import ShardedGradientError
+from lightning_zero.engine.schedule.reduce import ReducedGrads, reduce_grads, reduce_numel
 
 UnitCallback = Callable[[ShardedUnit], None]
 _aten = torch.ops.aten
@@ -343,9 +344,9 @@ class GradReducer:
         size = _buffer_bytes(unit)
         while self._in_flight and self._in_flight_bytes() + size > self.max_in_flight_bytes:
             self._complete_oldest()
-        buffer = self._take_buffer((unit.reduce_numel, unit.reduce_dtype, unit.device), size)
+        buffer = self._take_buffer((reduce_numel(unit), unit.reduce_dtype, unit.device), size)
         self._in_flight.append(
-            unit.reduce_grads(async_op=True, buffer=buffer, give_back=self._give_back, check_finite=self.check_finite)
+            reduce_grads(unit, async_op=True, buffer=buffer, give_back=self._give_back, check_finite=self.check_finite)
         )
         self._next += 1
         if self.after_unit_reduced is not None:
@@ -545,7 +546,7 @@ def _once(action: Callable[[], None]) -> Callable[..., None]:
 
 def _buffer_bytes(unit: ShardedUnit) -> int:
     """Bytes of the full-size buffer a reduction of ``unit`` reads."""
-    return unit.reduce_numel * torch.empty((), dtype=unit.reduce_dtype).element_size()
+    return reduce_numel(unit) * torch.empty((), dtype=unit.reduce_dtype).element_size()
 
 
 def _order_hash(units: list[ShardedUnit], order: list[ShardedUnit]) -> list[int]:
