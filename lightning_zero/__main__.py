@@ -1,13 +1,16 @@
-"""Command line: ``python -m lightning_zero consolidate CHECKPOINT OUT``, ``... check-parity MODULE:ATTR`` and
-``... estimate --params 7B``.
+"""Command line: ``python -m lightning_zero consolidate CHECKPOINT OUT``, ``... check-parity MODULE:ATTR``,
+``... estimate --params 7B`` and ``... dry-run FILE.py:CLASS --world-size 512``.
 
 Example::
 
     python -m lightning_zero estimate --params 7B --devices 8,64 --precision bf16-mixed --memory 80GB
+    python -m lightning_zero dry-run examples/dry_run_gpt.py:GPT1B --world-size 512 --batch-shape 1,128
     python -m lightning_zero consolidate runs/epoch=3-step=400.ckpt model.ckpt
     python -m lightning_zero consolidate runs/epoch=3-step=400.ckpt model.safetensors
     python -m lightning_zero check-parity my_package.models:MyModule --stage 3 --steps 5
 
+``dry-run`` runs one rank of an N-rank job in this process (torch's fake process group: nothing is sent) and
+prints what that rank holds and sends, beside the theory and ``estimate`` (see ``lightning_zero/dry_run.py``).
 ``check-parity`` exits with 0 when the stage trained exactly like ``DDPStrategy`` (within ``--rtol``),
 1 when it did not, and 2 when the module could not be loaded or a run failed. ``estimate`` prints the
 model-state memory per device and the communication per step of DDP and each stage (see ``docs/memory.md``).
@@ -66,9 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parity.add_argument("--seed", type=int, default=0, help="seed for building the module and both runs")
     parity.add_argument("--timeout", type=float, default=600, help="seconds both runs may take (default: 600)")
     _add_estimate_parser(commands)
+    _add_dry_run_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "estimate":
         return _estimate(parser, args)
+    if args.command == "dry-run":
+        return _dry_run(parser, args)
     if args.command == "check-parity":
         return _check_parity(parser, args)
     return _consolidate(args)
@@ -223,6 +229,66 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(json.dumps(data[0] if len(data) == 1 else data, indent=2))
     else:
         print("\n\n".join(e.table() for e in estimates))
+    return 0
+
+
+def _add_dry_run_parser(commands: Any) -> None:
+    dry = commands.add_parser(
+        "dry-run",
+        help="run one rank of an N-rank ZeRO job in this process and report its memory and communication",
+        description="Act as one rank of an N-rank job on torch's fake process group (nothing is sent): build the "
+        "model sharded with the real engine (meta init, units, buckets), run a few real training steps on one "
+        "batch, and report this rank's model-state bytes, peak gathered bytes and bytes sent per step, beside "
+        "the theory and the estimator. Values are meaningless; memory and schedule are real.",
+    )
+    dry.add_argument("target", metavar="FILE.py:CLASS", help="a LightningModule class built with no arguments")
+    dry.add_argument("--strategy", choices=("zero1", "zero2", "zero3"), default="zero3", help="default: zero3")
+    dry.add_argument("--world-size", type=_positive_int, required=True, help="ranks of the job")
+    dry.add_argument("--rank", type=int, default=0, help="the rank this process plays (default: 0)")
+    dry.add_argument("--shard-size", help="hybrid sharding: ranks per shard group, or 'node' (8 per node here)")
+    dry.add_argument("--precision", default="32-true", help="32-true (default), bf16-mixed or bf16-true")
+    dry.add_argument("--offload-optimizer", action="store_true", help="optimizer states in CPU memory")
+    dry.add_argument("--offload-params", action="store_true", help="stage 3: parameter shards in CPU memory too")
+    dry.add_argument("--unit-modules", help="comma-separated module class names that form units (default: found)")
+    dry.add_argument("--steps", type=_positive_int, default=2, help="training steps; the last is measured")
+    dry.add_argument(
+        "--batch-shape",
+        help="e.g. 1,128: (x, y) int64 token ids of that shape (default: the module's train_dataloader)",
+    )
+    dry.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
+
+
+def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from lightning_zero.dry_run import dry_run, write_json
+
+    shard_size: int | str | None = args.shard_size
+    if shard_size is not None and shard_size != "node":
+        shard_size = _positive_int(shard_size)
+    try:
+        shape = tuple(int(n) for n in args.batch_shape.split(",")) if args.batch_shape else None
+    except ValueError:
+        parser.error(f"--batch-shape must be comma-separated integers, e.g. 1,128; got {args.batch_shape!r}")
+    units = [name.strip() for name in args.unit_modules.split(",")] if args.unit_modules else None
+    try:
+        report = dry_run(
+            args.target,
+            world_size=args.world_size,
+            stage=int(args.strategy[-1]),
+            rank=args.rank,
+            shard_size=shard_size,
+            precision=args.precision,
+            offload_optimizer=args.offload_optimizer,
+            offload_params=args.offload_params,
+            unit_modules=units,
+            steps=args.steps,
+            batch_shape=shape,
+        )
+    except (ValueError, TypeError) as error:
+        print(f"dry-run: {error}", file=sys.stderr)
+        return 2
+    print(report.table())
+    if args.json:
+        write_json(report, args.json)
     return 0
 
 

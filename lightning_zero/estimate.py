@@ -31,7 +31,7 @@ from typing import NamedTuple
 from torch import nn
 
 from lightning_zero.engine.comm.mesh import resolve_shard_size
-from lightning_zero.engine.core.grouping import module_class_policy, plan_units
+from lightning_zero.engine.core.grouping import ROOT_NAME, module_class_policy, plan_units
 from lightning_zero.engine.core.layout import ShardLayout
 from lightning_zero.estimate_report import (
     INTER_NODE_GBPS,
@@ -108,14 +108,16 @@ class _Counts(NamedTuple):
     grad_shard: float  # the same over units with a trainable parameter (sharded gradients)
     state_shard: float  # trainable elements in the fullest rank's shards (optimizer states)
     units: int | None  # how many units (None: unknown, a bare count)
-    largest_unit: int | None  # padded numel of the largest unit (None: unknown)
+    largest_unit: int | None  # padded numel of the largest unit other than the root (None: unknown)
+    root_unit: int = 0  # padded numel of the root unit (0: none, or a bare count)
 
     def gathered_numel(self, prefetch: int) -> float | None:
-        """Elements stage 3 holds gathered at once: ``prefetch + 1`` units (at most all of them) of the largest
-        size."""
+        """Elements stage 3 holds gathered at once: the root unit, held for the whole step, and ``prefetch + 1``
+        other units (at most all of them) of the largest size: the one computing and those gathered ahead."""
         if self.largest_unit is None:
             return None
-        return float(min(prefetch + 1, self.units or prefetch + 1) * self.largest_unit)
+        others = (self.units - (1 if self.root_unit else 0)) if self.units is not None else prefetch + 1
+        return float(self.root_unit + min(prefetch + 1, others) * self.largest_unit)
 
 
 def _count_numel(numel: int, world_size: int, largest_unit_params: int | None) -> _Counts:
@@ -123,21 +125,30 @@ def _count_numel(numel: int, world_size: int, largest_unit_params: int | None) -
     return _Counts(numel, numel, numel, numel, shard, shard, shard, None, largest_unit_params)
 
 
-def _plan(model: nn.Module, unit_modules: Sequence[type[nn.Module] | str] | None) -> list[tuple[list[int], list[bool]]]:
+_Planned = tuple[list[int], list[bool], bool]  # a unit's parameter numels, which are trainable, whether it is the root
+
+
+def _plan(model: nn.Module, unit_modules: Sequence[type[nn.Module] | str] | None) -> list[_Planned]:
     """Each unit's parameter numels and which are trainable, as the engine would group them."""
     policy = None if unit_modules is None else module_class_policy(list(unit_modules))
-    return [([p.numel() for p in u.params], [p.requires_grad for p in u.params]) for u in plan_units(model, policy)]
+    return [
+        ([p.numel() for p in u.params], [p.requires_grad for p in u.params], u.name == ROOT_NAME)
+        for u in plan_units(model, policy)
+    ]
 
 
-def _count_model(units: list[tuple[list[int], list[bool]]], world_size: int) -> _Counts:
+def _count_model(units: list[_Planned], world_size: int) -> _Counts:
     per_rank = [0] * world_size  # trainable elements in each rank's shards
-    numel = trainable = padded = trainable_padded = shard = grad_shard = largest = 0
-    for numels, trainable_mask in units:
+    numel = trainable = padded = trainable_padded = shard = grad_shard = largest = root = 0
+    for numels, trainable_mask, is_root in units:
         layout = ShardLayout.from_shapes([(n,) for n in numels], world_size)
         numel += layout.numel
         padded += layout.padded_numel
         shard += layout.shard_numel
-        largest = max(largest, layout.padded_numel)
+        if is_root:
+            root = layout.padded_numel
+        else:
+            largest = max(largest, layout.padded_numel)
         if any(trainable_mask):
             trainable_padded += layout.padded_numel
             grad_shard += layout.shard_numel
@@ -149,7 +160,8 @@ def _count_model(units: list[tuple[list[int], list[bool]]], world_size: int) -> 
             first, last = offset // size, (offset + n - 1) // size
             for rank in range(first, last + 1):  # a parameter's pieces, rank by rank
                 per_rank[rank] += min(offset + n, (rank + 1) * size) - max(offset, rank * size)
-    return _Counts(numel, trainable, padded, trainable_padded, shard, grad_shard, max(per_rank), len(units), largest)
+    counts = (numel, trainable, padded, trainable_padded, shard, grad_shard, max(per_rank), len(units), largest, root)
+    return _Counts(*counts)
 
 
 # ---------------------------------------------------------------------------------------------- accounting

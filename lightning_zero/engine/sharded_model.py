@@ -22,6 +22,7 @@ from lightning_zero.engine.comm.comm import Comm
 from lightning_zero.engine.comm.mesh import ShardGroups, ShardSize, resolve_shard_size
 from lightning_zero.engine.core.grouping import ROOT_NAME, UnitPolicy, bucket_units, plan_units
 from lightning_zero.engine.core.layout import ParamShard
+from lightning_zero.engine.core.ledger import GatherLedger
 from lightning_zero.engine.core.optimizer import (
     bind_optimizer,
     check_optimizer_params,
@@ -155,6 +156,13 @@ class ShardedModel:
             for index in range(len(plans)):
                 build(index, None)
         self.units = [u for u in units if u is not None]
+        # Stage 3's gathered units over time (the peak of a step: see ``GatherLedger``).
+        self.gathered = GatherLedger()
+        for unit in self.units:
+            if unit.reshard_after_forward:
+                unit.ledger = self.gathered
+                if unit.is_unsharded:
+                    self.gathered.add(unit.name, unit.flat.untyped_storage().nbytes())
         if loads is not None:
             load_weight_shards(self.units, loads)
             meta_init.weight_loads.clear()

@@ -133,6 +133,7 @@ from torch import nn
 from lightning_zero.engine.comm.comm import Comm, Pending
 from lightning_zero.engine.comm.labels import label
 from lightning_zero.engine.core.layout import ParamShard, ShardLayout
+from lightning_zero.engine.core.ledger import GatherLedger
 from lightning_zero.engine.core.param_checks import check_unit_params
 from lightning_zero.engine.core.placeholder import (
     ShardedParameterReadError,
@@ -296,6 +297,7 @@ class ShardedUnit:
         self._versions_when_hidden: list[int] = []
         self._aliases: dict[int, torch.Tensor] = {}  # see ``adopt_rebound_data``
         self._gathering: Pending | None = None  # an all-gather into ``flat`` in flight (prefetch)
+        self.ledger: GatherLedger | None = None  # told when the gathered storage is allocated and freed
         self._host_read: torch.cuda.Event | None = None  # behind the last copy of the host shard to the device
         # Whether the sharded gradients last reduced hold no inf/NaN on any rank: True/False when known for
         # every rank alike (set by GradReducer), None when unknown (accumulated onto earlier gradients).
@@ -370,6 +372,8 @@ class ShardedUnit:
                 self.check_no_hidden_writes()
                 storage = self.flat.untyped_storage()
                 storage.resize_(self.layout.padded_numel * self.flat.element_size())
+                if self.ledger is not None:
+                    self.ledger.add(self.name, storage.nbytes())
                 with torch.no_grad():
                     # Which unit is gathered when depends on the model's control flow: checked (see
                     # [Note: collective checks] in sequence.py).
@@ -410,6 +414,8 @@ class ShardedUnit:
             self._exposed = False
             self.record_hidden_versions()
             self.flat.untyped_storage().resize_(0)
+            if self.ledger is not None:
+                self.ledger.remove(self.name)
         self.state = UnitState.SHARDED
 
     def record_hidden_versions(self) -> None:
@@ -576,6 +582,8 @@ class ShardedUnit:
             shard_param.data = shard_param.data.new_empty(0)
         self.master = self.master.new_empty(0)
         self.flat = self.flat.new_empty(0)
+        if self.ledger is not None:
+            self.ledger.remove(self.name)
         self.shard = None
         self._views, self._placeholders, self._aliases = [], [], {}
 

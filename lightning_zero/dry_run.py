@@ -1,0 +1,376 @@
+"""``dry_run``: one rank of an N-rank ZeRO job, run for real in one process, to see whether the job fits and what
+it sends, before any cluster is booked.
+
+[Note: dry run]
+The process joins torch's fake process-group backend (``init_process_group("fake", ...)``) as rank ``r`` of
+``N``: every collective returns at once without sending anything (an all-gather fills every slot with this
+rank's shard, a reduce-scatter keeps this rank's chunk unreduced, an all-reduce leaves its input). Everything
+else is the real engine, through the same ``ZeRODriver.shard`` the strategies call: the model built on the meta
+device and created one unit at a time already sharded, the units, layouts, buckets and prefetches, ``K`` real
+training steps of the real schedule on one batch. The values are meaningless; the memory and the schedule are
+real, and so are the bytes ``Comm`` counts with its ring model (each collective counted as the real one would
+send). What the simulation leaves out:
+
+- activations and the autograd graph are this process's (one micro-batch of the given shape), so the peak RSS is
+  the job's only for that batch;
+- CPU memory has no caching allocator: a GPU's fragmentation and NCCL's own buffers (typically a few hundred MB
+  per process) are not counted;
+- time: collectives cost nothing here, so the wall time is the compute of one rank on this machine, not a step
+  time; the estimator's network time is given beside it.
+
+Agreements need other ranks, so the collective checks are off; a checkpoint save is not simulated.
+
+Example::
+
+    report = dry_run("examples/dry_run_gpt.py:GPT1B", world_size=512, stage=3)
+    print(report.table())
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import resource
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero.driver.config import ZeROConfig
+from lightning_zero.driver.driver import ZeRODriver
+from lightning_zero.engine.core.memory import theory_bytes
+from lightning_zero.engine.sharded_model import ShardedModel
+from lightning_zero.estimate import estimate_memory
+from lightning_zero.estimate_report import format_bytes
+
+DRY_RUN_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
+
+@dataclass
+class DryRunReport:
+    """What one rank of the job holds and sends (see [Note: dry run]); ``as_dict()`` is its JSON form."""
+
+    target: str
+    stage: int
+    world_size: int
+    rank: int
+    shard_size: int
+    precision: str
+    numel: int
+    units: int
+    steps: int
+    model_state_bytes: dict[str, int]  # at rest after the last step: params, master_params, grads, optimizer_states
+    theory_model_state_bytes: float  # 16Ψ/S for fp32 Adam (S: the shard group), without padding
+    peak_gathered_bytes: int  # stage 3's gathered units at their most, in the last step
+    units_at_peak: list[str]
+    bytes_sent_per_step: dict[str, dict[str, int]]  # by Comm ("world"; hybrid: "shard", "replicate"), then by kind
+    calls_per_step: dict[str, dict[str, int]]
+    theory_bytes_sent_per_step: float  # 2Ψ or 3Ψ elements x (S-1)/S, plus the replica all-reduce under hybrid
+    estimate: dict[str, Any]  # the estimator's row for the same configuration
+    wall_seconds: float
+    peak_rss_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_state_total(self) -> int:
+        return sum(self.model_state_bytes.values())
+
+    @property
+    def bytes_sent_total(self) -> int:
+        return sum(sum(kinds.values()) for kinds in self.bytes_sent_per_step.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["model_state_total"] = self.model_state_total
+        data["bytes_sent_total"] = self.bytes_sent_total
+        return data
+
+    def _sent(self, group: str) -> str:
+        kinds = self.bytes_sent_per_step[group]
+        calls = self.calls_per_step[group]
+        return f"{group}: " + ", ".join(f"{k} {format_bytes(v)} ({calls[k]} calls)" for k, v in kinds.items())
+
+    def table(self) -> str:
+        """A short text report, with the theory and the estimator beside the measured figures."""
+        hybrid = f", shard groups of {self.shard_size}" if self.shard_size != self.world_size else ""
+        est_state = self.estimate.get("device_total", 0.0) + self.estimate.get("cpu_total", 0.0)
+        lines = [
+            f"{self.target}: {self.numel:,} parameters in {self.units} units, ZeRO stage {self.stage}, rank "
+            f"{self.rank} of {self.world_size}{hybrid}, {self.precision}, {self.steps} steps (fake process group)",
+            "",
+            "| | measured | theory | estimator |",
+            "|---|---:|---:|---:|",
+            f"| model state at rest | {format_bytes(self.model_state_total)} | "
+            f"{format_bytes(self.theory_model_state_bytes)} | {format_bytes(est_state)} |",
+            f"| peak gathered (stage 3) | {format_bytes(self.peak_gathered_bytes)} | | "
+            f"{format_bytes(self.estimate.get('gathered') or 0.0)} |",
+            f"| bytes sent per step | {format_bytes(self.bytes_sent_total)} | "
+            f"{format_bytes(self.theory_bytes_sent_per_step)} | {format_bytes(self.estimate.get('comm_bytes', 0.0))} |",
+            "",
+            "model state: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.model_state_bytes.items()),
+            "units gathered at the peak: " + (", ".join(self.units_at_peak) or "none"),
+            "sent per step: "
+            + "; ".join(
+                f"{group}: "
+                + ", ".join(f"{k} {format_bytes(v)} ({self.calls_per_step[group][k]} calls)" for k, v in kinds.items())
+                for group, kinds in self.bytes_sent_per_step.items()
+            ),
+            f"this process: {self.wall_seconds:.1f} s, peak RSS {format_bytes(self.peak_rss_bytes)}",
+            *self.notes,
+        ]
+        return "\n".join(lines)
+
+
+def dry_run(
+    target: str | Callable[[], Any],
+    world_size: int,
+    stage: int = 3,
+    rank: int = 0,
+    shard_size: int | str | None = None,
+    precision: str = "32-true",
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    unit_modules: list[type[nn.Module] | str] | None = None,
+    steps: int = 2,
+    batch_shape: tuple[int, ...] | None = None,
+    init_kwargs: dict[str, Any] | None = None,
+) -> DryRunReport:
+    """Run rank ``rank`` of a ``world_size``-rank ZeRO job in this process (see [Note: dry run]) and report its
+    memory and communication. ``target``: ``"FILE.py:CLASS"`` or ``"module:CLASS"`` (a ``LightningModule`` class,
+    built with ``init_kwargs``, its model made in ``__init__`` or ``configure_model``), or a function returning one.
+    The batch is the first of the module's ``train_dataloader()``; with ``batch_shape``, ``(x, y)``: two int64
+    tensors of that shape (token ids 0), as language models take. Needs a process without a process group."""
+    if precision not in DRY_RUN_PRECISIONS:
+        raise ValueError(f"dry_run supports precision in {DRY_RUN_PRECISIONS}, got {precision!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("dry_run needs a process without a process group (it joins a fake one of its own)")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_zero.strategies.precision import ZeROPrecision
+
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        config = ZeROConfig(
+            stage=stage,
+            unit_modules=unit_modules,
+            collective_checks="off",
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
+            shard_size=shard_size,
+        )
+        driver = ZeRODriver(config)
+        device = torch.device("cpu")
+        plugin = ZeROPrecision(precision)  # type: ignore[arg-type]
+        factory = _factory(target, init_kwargs or {})
+        with driver.recording_init(device):
+            module = factory()
+            if hasattr(module, "configure_model"):
+                module.configure_model()
+        sharded = driver.shard(
+            module,
+            device=device,
+            param_dtype=plugin.default_param_dtype,
+            shard_size=_resolve(shard_size, world_size),
+            prepare=plugin.convert_module,
+        )
+        optimizer = _optimizer(module)
+        sharded.bind_optimizer(optimizer)
+        sharded.reducer.check_finite = False  # the reduced values are this rank's alone: nothing to check
+        batch = _batch(module, batch_shape)
+        before: dict[str, Any] = {}
+        for step in range(steps):
+            if step == steps - 1:
+                before = {name: comm.stats.snapshot() for name, comm in sharded.comms().items()}
+                sharded.gathered.reset()
+            _train_step(module, sharded, optimizer, plugin, batch, step)
+            if step < steps - 1:
+                optimizer.zero_grad()
+        after = {name: comm.stats.snapshot() for name, comm in sharded.comms().items()}
+        state = sharded.memory_stats()
+        report = _report(
+            target if isinstance(target, str) else getattr(target, "__name__", "model"),
+            module,
+            sharded,
+            optimizer,
+            config,
+            precision,
+            plugin,
+            world_size,
+            rank,
+            steps,
+            state,
+            before,
+            after,
+        )
+        optimizer.zero_grad()
+        report.wall_seconds = time.perf_counter() - start
+        report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return report
+    finally:
+        dist.destroy_process_group()
+
+
+def _resolve(shard_size: int | str | None, world_size: int) -> int:
+    from lightning_zero.engine.comm.mesh import resolve_shard_size
+
+    return resolve_shard_size(shard_size, world_size, min(world_size, 8))
+
+
+def _factory(target: str | Callable[[], Any], kwargs: dict[str, Any]) -> Callable[[], Any]:
+    if not isinstance(target, str):
+        return lambda: target(**kwargs)
+    location, sep, name = target.rpartition(":")
+    if not sep or not location or not name:
+        raise ValueError(f"expected FILE.py:CLASS or module:CLASS, got {target!r}")
+    if location.endswith(".py"):
+        path = Path(location).resolve()
+        if not path.is_file():
+            raise ValueError(f"{location!r} is not a file")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None and spec.loader is not None
+        source = importlib.util.module_from_spec(spec)
+        sys.modules.setdefault(path.stem, source)
+        spec.loader.exec_module(source)
+    else:
+        source = importlib.import_module(location)
+    if not hasattr(source, name):
+        raise ValueError(f"{location!r} has no {name!r}")
+    cls = getattr(source, name)
+    return lambda: cls(**kwargs)
+
+
+def _optimizer(module: Any) -> torch.optim.Optimizer:
+    """The module's first optimizer (``configure_optimizers`` may return one, a list, or Lightning's dict)."""
+    configured = module.configure_optimizers()
+    if isinstance(configured, dict):
+        configured = configured["optimizer"]
+    if isinstance(configured, (list, tuple)):
+        configured = configured[0]
+        if isinstance(configured, (list, tuple)):
+            configured = configured[0]
+    if not isinstance(configured, torch.optim.Optimizer):
+        raise TypeError(f"configure_optimizers returned {type(configured).__name__}; dry_run needs an optimizer")
+    return configured
+
+
+def _batch(module: Any, batch_shape: tuple[int, ...] | None) -> Any:
+    if batch_shape is not None:
+        x = torch.zeros(batch_shape, dtype=torch.long)
+        return x, x.clone()
+    loader = getattr(module, "train_dataloader", None)
+    try:
+        return next(iter(loader())) if callable(loader) else None
+    except Exception as error:  # a datamodule-driven module: its own dataloader hook raises
+        raise ValueError(f"the module's train_dataloader() gave no batch ({error}); pass batch_shape") from error
+
+
+def _train_step(module: Any, sharded: ShardedModel, optimizer: Any, plugin: Any, batch: Any, step: int) -> None:
+    """One training step as ``ZeROStrategy`` runs it: the step begun, the user's ``training_step`` in the precision's
+    forward context, backward, the step ended, the optimizer on the shards, the updated shards gathered."""
+    if batch is None:
+        raise ValueError("the module has no train_dataloader(): pass batch_shape")
+    sharded.begin_step()
+    with plugin.forward_context():
+        out = module.training_step(batch, step)
+    loss = out["loss"] if isinstance(out, dict) else out
+    loss.backward()
+    sharded.end_step()
+    with sharded.on_shards(optimizer):
+        optimizer.step()
+    sharded.after_optimizer_step(optimizer)
+
+
+def _report(
+    target: str,
+    module: Any,
+    sharded: ShardedModel,
+    optimizer: Any,
+    config: ZeROConfig,
+    precision: str,
+    plugin: Any,
+    world_size: int,
+    rank: int,
+    steps: int,
+    state: dict[str, int],
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> DryRunReport:
+    numel = sum(p.numel() for p in _unique_params(module))
+    shard = sharded.shard_size
+    theory = theory_bytes(config.stage, numel, shard)
+    sent: dict[str, dict[str, int]] = {}
+    calls: dict[str, dict[str, int]] = {}
+    for name, stats in after.items():
+        delta = stats.since(before[name]) if name in before else stats
+        sent[name] = {k: int(v.bytes_sent) for k, v in delta.by_kind.items() if v.calls}
+        calls[name] = {k: int(v.calls) for k, v in delta.by_kind.items() if v.calls}
+    element = 4  # fp32 elements in the theory's 2Ψ / 3Ψ
+    traffic = (3 if config.stage == 3 else 2) * numel * element * (shard - 1) / shard
+    if shard != world_size:  # each shard group's reduced gradient shard, all-reduced across the replicas
+        replicas = world_size // shard
+        traffic += 2 * (numel / shard) * element * (replicas - 1) / replicas
+    per_node = min(world_size, 8)  # the estimator's nodes: 8 devices each, as the default --shard-size "node"
+    est = estimate_memory(
+        module,
+        devices=per_node,
+        nodes=max(1, world_size // per_node),
+        precision=precision,
+        offload_optimizer=config.offload_optimizer,
+        offload_params=config.offload_params,
+        unit_modules=None if config.unit_modules is None else list(config.unit_modules),
+        shard_size=None if shard == world_size else shard,
+    )
+    row = est.row(f"zero{config.stage}")
+    model_state = {k: state[k] for k in ("params", "master_params", "grads", "optimizer_states", "host_params")}
+    notes = []
+    if world_size % min(world_size, 8):
+        notes.append("estimator: the world does not split into nodes of 8; its row assumes one node")
+    return DryRunReport(
+        target=target,
+        stage=config.stage,
+        world_size=world_size,
+        rank=rank,
+        shard_size=shard,
+        precision=precision,
+        numel=numel,
+        units=len(sharded.units),
+        steps=steps,
+        model_state_bytes=model_state,
+        theory_model_state_bytes=float(theory.total),
+        peak_gathered_bytes=sharded.gathered.peak,
+        units_at_peak=list(sharded.gathered.at_peak),
+        bytes_sent_per_step=sent,
+        calls_per_step=calls,
+        theory_bytes_sent_per_step=traffic,
+        estimate={
+            "device_total": row.device.total,
+            "cpu_total": row.cpu.total,
+            "gathered": row.gathered,
+            "comm_bytes": row.comm_bytes,
+            "comm_seconds": row.comm_seconds,
+        },
+        wall_seconds=0.0,
+        peak_rss_bytes=0,
+        notes=notes,
+    )
+
+
+def _unique_params(module: nn.Module) -> list[nn.Parameter]:
+    return list(dict.fromkeys(module.parameters()))
+
+
+def write_json(report: DryRunReport, path: str | Path) -> None:
+    """``report.as_dict()`` as JSON at ``path``."""
+    Path(path).write_text(json.dumps(report.as_dict(), indent=2) + "\n")

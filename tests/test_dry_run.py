@@ -1,0 +1,137 @@
+"""``dry-run``: one rank of an N-rank job on torch's fake process group (see [Note: dry run] in
+``lightning_zero/dry_run.py``). At world sizes 2, 8 and 64 its figures follow the theory; at world size 2 they
+equal those of a real 2-rank run of the same model and batch (the check that the simulation is honest)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_zero.driver.config import ZeROConfig
+from lightning_zero.driver.driver import ZeRODriver
+from lightning_zero.strategies.precision import ZeROPrecision
+from tests.distributed import spawn
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = "examples/dry_run_gpt.py:GPTSmall"
+SHAPE = (2, 64)
+
+
+def _dry_runs(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The cases one after another in one fresh process (a dry run joins a process group of its own): the first
+    through the command line, the others through ``dry_run``."""
+    out = ROOT / ".dry-run-cases.json"
+    first, rest = cases[0], cases[1:]
+    command = [sys.executable, "-m", "lightning_zero", "dry-run", TARGET, "--batch-shape", "2,64"]
+    command += ["--unit-modules", "Block", "--json", str(out)]
+    for key, value in first.items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fake process group" in done.stdout
+    reports = [json.loads(out.read_text())]
+    script = (
+        "import json, sys\n"
+        "from lightning_zero.dry_run import dry_run\n"
+        "cases = json.loads(sys.argv[1])\n"
+        f"reports = [dry_run({TARGET!r}, stage=int(c.pop('strategy')[-1]), unit_modules=['Block'], "
+        f"batch_shape={SHAPE!r}, **c).as_dict() for c in cases]\n"
+        "open(sys.argv[2], 'w').write(json.dumps(reports))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(rest), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports += json.loads(out.read_text())
+    out.unlink()
+    return reports
+
+
+def test_dry_run_follows_the_theory_at_2_8_and_64_ranks() -> None:
+    cases = [
+        {"strategy": strategy, "world_size": world} for world in (2, 8, 64) for strategy in ("zero1", "zero2", "zero3")
+    ] + [{"strategy": "zero3", "world_size": 64, "shard_size": 8}]
+    for case, report in zip(cases, _dry_runs(cases)):
+        stage, world = int(case["strategy"][-1]), case["world_size"]
+        shard = case.get("shard_size", world)
+        assert report["stage"] == stage and report["world_size"] == world and report["shard_size"] == shard
+        # Model state at rest, fp32 Adam, up to padding: parameters 4Ψ (stages 1, 2) or 4Ψ/S (stage 3); gradients
+        # 4Ψ/S under every stage (stage 1 too frees its full gradients once reduced); optimizer states 8Ψ/S.
+        numel, state = report["numel"], report["model_state_bytes"]
+        expected = {"params": 4 * numel / (shard if stage == 3 else 1), "grads": 4 * numel / shard}
+        expected["optimizer_states"] = 8 * numel / shard
+        for key, value in expected.items():
+            assert abs(state[key] - value) <= 0.01 * value + 4 * 16 * 3, (case, key, state[key], value)
+        if stage == 3:  # the theory's 16Ψ/S
+            assert abs(report["model_state_total"] - report["theory_model_state_bytes"]) <= 0.05 * (16 * numel / shard)
+        sent = report["bytes_sent_per_step"]
+        gathers = sum(kinds.get("all_gather", 0) for kinds in sent.values())
+        reductions = sum(kinds.get("reduce_scatter", 0) for kinds in sent.values())
+        ring = 4 * report["numel"] * (shard - 1) / shard
+        # Every gradient reduce-scattered once; parameters gathered once (stages 1, 2) or up to twice (stage 3:
+        # the root and the last unit of forward stay gathered for backward).
+        assert abs(reductions - ring) <= 0.02 * ring, (case, reductions, ring)
+        low, high = (ring * 0.98, ring * 1.02) if stage < 3 else (ring * 1.0, ring * 2.02)
+        assert low <= gathers <= high, (case, gathers, ring)
+        if shard != world:  # each gradient shard all-reduced across the replicas
+            assert sent["replicate"]["all_reduce"] > 0
+        assert report["peak_rss_bytes"] > 0 and report["wall_seconds"] > 0
+        if stage == 3:
+            assert report["peak_gathered_bytes"] > 0 and report["units_at_peak"]
+
+
+def _real_run(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    """The dry run's steps, on real gloo ranks: the same driver, model, batch and measurement."""
+    import examples.dry_run_gpt as shapes
+
+    torch.manual_seed(0)
+    driver = ZeRODriver(ZeROConfig(stage=stage, unit_modules=["Block"], collective_checks="off"))
+    plugin = ZeROPrecision("32-true")
+    with driver.recording_init(torch.device("cpu")):
+        module = shapes.GPTSmall()
+        module.configure_model()
+    sharded = driver.shard(module, device=torch.device("cpu"), param_dtype=None, prepare=plugin.convert_module)
+    optimizer = module.configure_optimizers()["optimizer"]
+    sharded.bind_optimizer(optimizer)
+    x = torch.zeros(SHAPE, dtype=torch.long)
+    before: Any = None
+    for step in range(2):
+        if step == 1:
+            before = sharded.comm.stats.snapshot()
+            sharded.gathered.reset()
+        sharded.begin_step()
+        module.training_step((x, x.clone()), step).backward()
+        sharded.end_step()
+        with sharded.on_shards(optimizer):
+            optimizer.step()
+        sharded.after_optimizer_step(optimizer)
+        if step == 0:
+            optimizer.zero_grad()
+    sent = sharded.comm.stats.snapshot().since(before)
+    stats = sharded.memory_stats()
+    return {
+        "state": {k: stats[k] for k in ("params", "master_params", "grads", "optimizer_states", "host_params")},
+        "sent": {k: v.bytes_sent for k, v in sent.by_kind.items() if v.calls and k != "all_reduce"},
+        "peak": sharded.gathered.peak,
+    }
+
+
+def test_dry_run_at_two_ranks_equals_a_real_two_rank_run() -> None:
+    cases = [{"strategy": f"zero{stage}", "world_size": 2, "rank": rank} for stage in (1, 2, 3) for rank in (0, 1)]
+    reports = iter(_dry_runs(cases))
+    for stage in (1, 2, 3):
+        for rank, real in enumerate(spawn(_real_run, world_size=2, stage=stage)):
+            dry = next(reports)
+            assert dry["model_state_bytes"] == real["state"], (stage, rank)
+            sent = {k: v for k, v in dry["bytes_sent_per_step"]["world"].items() if k != "all_reduce"}
+            assert sent == real["sent"], (stage, rank)
+            assert dry["peak_gathered_bytes"] == real["peak"], (stage, rank)
