@@ -8,7 +8,10 @@ AdamW step, every system in the same processes, the order rotated per repeat. Sy
 - ``zero3-defaults``: ``ShardedModel(stage=3)`` with the strategies' defaults (default units, ``checks="auto"``
   with the control channel and one step agreement per step, as the strategies run it);
 - ``zero3-per-layer``: one unit per module that owns parameters (``owns_parameters``, the old default);
-- ``zero1-defaults`` / ``zero2-defaults`` (with ``--systems``): stages 1 and 2 with their defaults.
+- ``zero1-defaults`` / ``zero2-defaults`` (with ``--systems``): stages 1 and 2 with their defaults;
+- ``fsdp2`` (with ``--systems``): torch's ``fully_shard`` on each repeated block (the blocks the default policy
+  finds, at any model size) and on the root, the anchor beside stage 3. DeepSpeed's stage 3 is the other anchor
+  of ``benchmarks.run``; it needs the ``deepspeed`` package, which this matrix does not use.
 
 ``--mode trainer`` trains the same models through a real ``lightning.Trainer`` instead (what users run):
 ``ddp`` is Lightning's ``DDPStrategy()``, ``zero3-defaults`` is ``ZeRO3Strategy()`` with no arguments (and
@@ -49,7 +52,7 @@ SYSTEMS = ("ddp", "zero3-defaults", "zero3-per-layer")
 TRAINER_SYSTEMS = ("ddp", "zero3-defaults")
 # What ``--systems`` may name in each mode, and the stage of each ZeRO system.
 ALLOWED = {
-    "engine": ("ddp", "zero1-defaults", "zero2-defaults", "zero3-defaults", "zero3-per-layer"),
+    "engine": ("ddp", "zero1-defaults", "zero2-defaults", "zero3-defaults", "zero3-per-layer", "fsdp2"),
     "trainer": ("ddp", "zero1-defaults", "zero2-defaults", "zero3-defaults"),
 }
 _STAGE = {"zero1-defaults": 1, "zero2-defaults": 2, "zero3-defaults": 3, "zero3-per-layer": 3}
@@ -79,6 +82,8 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
     sharded = None
     if system == "ddp":
         wrapped: nn.Module = DistributedDataParallel(model)
+    elif system == "fsdp2":
+        wrapped = _fully_shard_blocks(model)
     else:
         policy = owns_parameters if system == "zero3-per-layer" else None
         # The strategies' checks: one agreement per step on the control channel (see engine/comm/control.py).
@@ -110,6 +115,20 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
     if sharded is not None:
         sharded.release(gather=False)
     return times
+
+
+def _fully_shard_blocks(model: nn.Module) -> nn.Module:
+    """FSDP2 per block: ``fully_shard`` on every unit root the default policy finds with no size threshold (the
+    repeated blocks and large leaves), then on the model (the rest: embeddings, heads, norms)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_zero.engine import default_unit_policy, plan_units
+
+    units = [u for u in plan_units(model, default_unit_policy(model, whole_model_below=0)) if u.module is not model]
+    for unit in sorted(units, key=lambda u: -u.name.count(".")):  # inner modules before the ones holding them
+        fully_shard(unit.module)
+    fully_shard(model)
+    return model
 
 
 def _time_in_trainer(name: str, system: str, rank: int, steps: int, warmup: int, batch_size: int) -> list[float]:

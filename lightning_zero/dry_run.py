@@ -69,6 +69,7 @@ class DryRunReport:
     theory_model_state_bytes: float  # 16Ψ/S for fp32 Adam (S: the shard group), without padding
     peak_gathered_bytes: int  # stage 3's gathered units at their most, in the last step
     units_at_peak: list[str]
+    reduce_buffer_bytes: int  # the bound on the reduce-scatter buffers in flight or kept (the two largest units)
     bytes_sent_per_step: dict[str, dict[str, int]]  # by Comm ("world"; hybrid: "shard", "replicate"), then by kind
     calls_per_step: dict[str, dict[str, int]]
     theory_bytes_sent_per_step: float  # 2Ψ or 3Ψ elements x (S-1)/S, plus the replica all-reduce under hybrid
@@ -115,6 +116,7 @@ class DryRunReport:
             "",
             "model state: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.model_state_bytes.items()),
             "units gathered at the peak: " + (", ".join(self.units_at_peak) or "none"),
+            f"reduce-scatter buffers in flight or kept: at most {format_bytes(self.reduce_buffer_bytes)}",
             "sent per step: "
             + "; ".join(
                 f"{group}: "
@@ -351,6 +353,7 @@ def _report(
         theory_model_state_bytes=float(theory.total),
         peak_gathered_bytes=sharded.gathered.peak,
         units_at_peak=list(sharded.gathered.at_peak),
+        reduce_buffer_bytes=int(sharded.reducer.max_in_flight_bytes),
         bytes_sent_per_step=sent,
         calls_per_step=calls,
         theory_bytes_sent_per_step=traffic,

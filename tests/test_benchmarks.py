@@ -89,7 +89,10 @@ def test_paired_ratio_is_the_median_of_ratios_within_repeats() -> None:
 
 @pytest.mark.parametrize(
     ("mode", "systems"),
-    [("trainer", "ddp,zero1-defaults,zero2-defaults,zero3-defaults"), ("engine", "ddp,zero2-defaults,zero3-per-layer")],
+    [
+        ("trainer", "ddp,zero1-defaults,zero2-defaults,zero3-defaults"),
+        ("engine", "ddp,zero2-defaults,zero3-per-layer,fsdp2"),
+    ],
 )
 def test_real_model_benchmark_writes_every_system_side_by_side(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str, systems: str

@@ -263,7 +263,7 @@ class ShardedModel:
 
         Until ``begin_step`` waits for them, the parameters stay placeholders (``ShardedUnit.wait_gather``
         shows the values only when it is waited for), so the hooks in between see what they saw before.
-        What those hooks may do to a parameter is caught as before: an in-place write into a placeholder
+        What those hooks may do to a parameter is caught as it is outside any step: an in-place write into a placeholder
         raises when the gather is waited for (``check_no_hidden_writes`` runs there too), and values given
         by rebinding ``.data`` are copied into the gathered buffer as well as into the shard
         (``adopt_rebound_data``). If the step does not follow (``on_train_batch_start`` returned -1, the data

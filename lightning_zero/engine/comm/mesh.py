@@ -18,7 +18,7 @@ Which group each collective runs on (every site in the engine and the strategies
   the world it would count each shard ``W // S`` times);
 - replicate group: the all-reduce of each reduced gradient *shard* (``1/S`` of the unit, not the
   full gradient), which turns the shard group's sum into the sum over every rank; then the mean
-  divides by ``W`` as before (after summing when ``W`` is a power of two, so the bits stay DDP's
+  divides by ``W`` as without hybrid sharding (after summing when ``W`` is a power of two, so the bits stay DDP's
   wherever the order of the sums allows);
 - world: everything that decides what every rank does next or that must see every rank: the
   agreements of ``control.py`` and the sequence checks (the subgroups' collectives are checked in

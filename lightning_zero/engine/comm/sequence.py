@@ -19,7 +19,7 @@ track (so did the same thing) or every rank agreed it. A rank that leaves the tr
 another does not is caught by the stall report ([Note: stall reports] in ``control.py``): one
 rank waits in an agreement, the other in a collective the first will not issue. Outside steps (setup, a
 callback reading ``state_dict()``, a checkpoint) the collectives whose order depends on
-control flow (stage-3 gathers, ``guard=True``) are agreed one by one, as before. So, on the
+control flow (stage-3 gathers, ``guard=True``) are agreed one by one. So, on the
 step path: one agreement per step, no device synchronisation, nothing per unit.
 
 A step that needs no collective may run a different number of times on each rank (evaluation

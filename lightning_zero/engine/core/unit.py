@@ -40,7 +40,7 @@ and user code keep their references), but what its ``.data`` is depends on the u
   ``placeholder.py``): metadata (``shape``, ``dtype``, ``device``, ``numel()``, ``requires_grad``) as
   under DDP; a read of values (``p.norm()``, ``p.detach().cpu()``) from a copy gathered for it, when
   every rank reads; an in-place write, which would be lost, refused with ``ShardedParameterWriteError``.
-  What only the engine can still write into a placeholder is caught as before: an in-place write bumps
+  What only the engine can still write into a placeholder is caught by version: an in-place write bumps
   the parameter's version counter, and the next ``unshard()`` compares it with the one recorded at
   ``reshard()`` and raises ``ShardedParameterWriteError`` naming the parameter.
 
@@ -74,7 +74,7 @@ would stop being queued ahead), and a copy into pageable memory is staged and sy
   step are in ``GradReducer._attach_pending`` (accumulation into an earlier sharded gradient); they
   come after its one ``tolist()`` of the flags, which waits for the current stream up to there,
   copies included, and after an event recorded behind the last copy is synchronised (a no-op by
-  then, but the ordering no longer depends on where ``tolist()`` happens to be). The finite check
+  then, so the ordering does not depend on where ``tolist()`` happens to be). The finite check
   sums each shard on the device before the copy, so it reads nothing on the host.
 - host to device (``gather_updated_shards``): the master is pinned when the unit is built, so
   ``copy_(non_blocking=True)`` is a real asynchronous copy, queued on the current stream before the

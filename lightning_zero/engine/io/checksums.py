@@ -32,7 +32,7 @@ file each). After ``dcp.save`` every rank reads back the entries of its own file
 from the page cache) and sends their CRC-32s to rank 0, which stores them in ``meta.pt``
 (``lightning_zero.checksums``, keyed ``<file>@<offset>``). A load shares the entries between the ranks
 as for a full file and checks them before DCP reads anything, so a damaged piece leaves every rank's
-shards as they were. Sharded checkpoints from before this have no such table: they load with a warning.
+shards as they were. A sharded checkpoint without such a table loads with a warning.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ tensor that existed before recording began (or was made by code that bypasses th
 tensor read while recording and modified in place before setup. Code that *behaves differently* on meta
 (transformers 5 skips its ``_init_weights``) is the subject of [Note: init calls on meta]. Limits: random
 draws made on real tensors inside ``configure_model`` are not interleaved with the replayed ones; code that
-reads values (``.item()``, ``.tolist()``) fails on meta at build time, as before; code that reads every
-parameter after building (``model.half()``) keeps them all alive until then.
+reads values (``.item()``, ``.tolist()``) fails at build time (a meta tensor has no values); code that
+reads every parameter after building (``model.half()``) keeps them all alive until then.
 
 [Note: parameter identity under meta init]
 A meta parameter cannot be pointed at real memory (``param.data = real`` refuses a tensor of another
@@ -48,7 +48,7 @@ device type), yet code may hold it: under Fabric, ``optimizer = AdamW(model.para
 ``torch.utils.swap_tensors``: the Python object stays, with the new tensor (a view of its unit's flat
 buffer) inside it, and every reference to it (optimizers, tied modules) sees the real parameter. Where
 a swap is refused (a weak reference to the parameter, as ``nn.LSTM`` keeps), a new parameter replaces it
-in its modules instead, as before.
+in its modules instead (an optimizer built over the old one before setup is refused when it is bound).
 """
 
 from __future__ import annotations

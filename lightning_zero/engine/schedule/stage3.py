@@ -44,7 +44,7 @@ each forward that runs with gradients registers a hook on them (``register_multi
 ``"all"``), and the unit is freed once every such hook has fired and its trainable parameters, if any,
 have been reduced. Every node of the unit's forward that backward runs leads to one of those inputs or
 to one of those parameters, so none runs later. A hook that never fires (an output that did not reach
-the loss) only keeps the unit gathered until backward ends, as before. Values the forward reads from
+the loss) only keeps the unit gathered until backward ends. Values the forward reads from
 elsewhere (a tensor attribute that requires a gradient, a parameter of another unit) are not its
 inputs: such a unit should own them, or be a root; the default units fold tied weights into the root.
 
