@@ -1,6 +1,7 @@
 """Eight ranks on this machine (gloo, 8 processes on 2 cores: time does not matter). The parity model with tied,
 frozen and reused layers, gradient accumulation and clipping by norm, under every stage, trains as DDP does at 8
-ranks; and a rank's model-state bytes at 2, 4 and 8 ranks follow 1/N (the table in ``docs/memory.md``).
+ranks, through the Trainer and through Fabric; and a rank's model-state bytes at 2, 4 and 8 ranks follow 1/N (the
+table in ``docs/memory.md``).
 
 At 8 ranks the sums of a reduction run in another order than DDP's (a reduce-scatter's chunks, not one
 all-reduce), so the bound is the accumulation-and-clipping one of ``docs/parity.md``, not bitwise.
@@ -16,7 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from tests.distributed import spawn
-from tests.models import ParityNet, quiet_trainer
+from tests.models import VOCAB, ParityNet, quiet_trainer
 
 MODEL = {"optimizer": "sgd", "frozen": True, "unused": True}
 TRAINER = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
@@ -51,7 +52,42 @@ def _train(strategy: Any, world_size: int) -> dict[str, Any]:
     }
 
 
+def _fabric_loop(strategy: Any, world_size: int) -> dict[str, Any]:
+    """Fabric's door: a hand-written loop over the same model, 2 micro-batches per step, clipping by norm."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+    fabric.launch()
+    L.seed_everything(0)
+    model = ParityNet(**MODEL)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = fabric.setup(model, optimizer)
+    generator = torch.Generator().manual_seed(fabric.global_rank)
+    losses = []
+    for _ in range(3):
+        for micro in range(2):
+            x = torch.randint(0, VOCAB, (4, 8), generator=generator)
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = model(x).float().pow(2).mean()
+                fabric.backward(loss / 2)
+            losses.append(float(loss))
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fabric.strategy.teardown()
+    return {"losses": losses, "state": state}
+
+
 def _eight(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_zero import fabric as zero_fabric
+
+    reference = _fabric_loop("ddp", world_size)
+    for cls in (zero_fabric.ZeRO1Strategy, zero_fabric.ZeRO2Strategy, zero_fabric.ZeRO3Strategy):
+        got = _fabric_loop(cls(), world_size)
+        torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-6, atol=0, msg=f"Fabric {cls.stage}")
+        for key, value in reference["state"].items():
+            torch.testing.assert_close(got["state"][key], value, rtol=1e-6, atol=1e-7, msg=f"Fabric {cls.stage} {key}")
     ddp = _train(DDPStrategy(find_unused_parameters=True), world_size)
     results = {"ddp": ddp}
     for name, cls in (("zero1", ZeRO1Strategy), ("zero2", ZeRO2Strategy), ("zero3", ZeRO3Strategy)):
