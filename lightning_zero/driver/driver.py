@@ -76,6 +76,7 @@ class ZeRODriver:
         self.control: ControlChannel | None = None
         self.init_trace: InitTrace | None = None
         self.failed = False
+        self._handled: BaseException | None = None  # the exception on_exception last handled
         self._mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------ processes
@@ -168,7 +169,11 @@ class ZeRODriver:
         """``exception`` stops this rank's run. Unless every rank raises it at the same point (ours, checked
         everywhere, or one of ``raised_on_every_rank``), another rank may never reach the collectives a clean
         teardown needs: the run is marked failed (teardown then gathers nothing) and the ranks waiting for this
-        one are told at once."""
+        one are told at once. Idempotent: Fabric's door may see one exception twice (in the strategy call that
+        raised it, then leaving ``fabric.launch(fn)``), and it is reported once."""
+        if exception is self._handled:
+            return
+        self._handled = exception
         broken = self.sharded is not None and self.sharded.comm.broken
         self.failed = self.failed or broken or not isinstance(exception, RAISED_ON_EVERY_RANK + raised_on_every_rank)
         if self.failed:
@@ -203,6 +208,7 @@ class ZeRODriver:
             self.control.close(destroy_group=not self.failed)
             self.control = None
         self.failed = False
+        self._handled = None
         return kept
 
     # ------------------------------------------------------------------ collectives Lightning and user code ask for

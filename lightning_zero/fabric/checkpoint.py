@@ -227,5 +227,4 @@ def _load_directory(
 
 
 def _is_sharded_module(driver: ZeRODriver, obj: Any) -> bool:
-    sharded = driver.sharded
-    return sharded is not None and (obj is sharded.module or getattr(obj, "module", None) is sharded.module)
+    return driver.sharded is not None and _holds(driver.sharded, obj)
