@@ -10,8 +10,9 @@ AdamW step, every system in the same processes, the order rotated per repeat. Sy
 - ``zero3-per-layer``: one unit per module that owns parameters (``owns_parameters``, the old default);
 - ``zero1-defaults`` / ``zero2-defaults`` (with ``--systems``): stages 1 and 2 with their defaults;
 - ``fsdp2`` (with ``--systems``): torch's ``fully_shard`` on each repeated block (the blocks the default policy
-  finds, at any model size) and on the root, the anchor beside stage 3. DeepSpeed's stage 3 is the other anchor
-  of ``benchmarks.run``; it needs the ``deepspeed`` package, which this matrix does not use.
+  finds, at any model size) and on the root, the anchor beside stage 3;
+- ``ds-zero3`` (with ``--systems``; needs the ``deepspeed`` package): ``deepspeed.initialize`` with ZeRO stage 3
+  and its defaults otherwise (fp32, no clipping), on its CPU accelerator over gloo, the other anchor.
 
 ``--mode trainer`` trains the same models through a real ``lightning.Trainer`` instead (what users run):
 ``ddp`` is Lightning's ``DDPStrategy()``, ``zero3-defaults`` is ``ZeRO3Strategy()`` with no arguments (and
@@ -52,7 +53,7 @@ SYSTEMS = ("ddp", "zero3-defaults", "zero3-per-layer")
 TRAINER_SYSTEMS = ("ddp", "zero3-defaults")
 # What ``--systems`` may name in each mode, and the stage of each ZeRO system.
 ALLOWED = {
-    "engine": ("ddp", "zero1-defaults", "zero2-defaults", "zero3-defaults", "zero3-per-layer", "fsdp2"),
+    "engine": ("ddp", "zero1-defaults", "zero2-defaults", "zero3-defaults", "zero3-per-layer", "fsdp2", "ds-zero3"),
     "trainer": ("ddp", "zero1-defaults", "zero2-defaults", "zero3-defaults"),
 }
 _STAGE = {"zero1-defaults": 1, "zero2-defaults": 2, "zero3-defaults": 3, "zero3-per-layer": 3}
@@ -80,17 +81,20 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
     torch.manual_seed(0)
     model = build(name)
     sharded = None
+    deepspeed_engine = None
     if system == "ddp":
         wrapped: nn.Module = DistributedDataParallel(model)
     elif system == "fsdp2":
         wrapped = _fully_shard_blocks(model)
+    elif system == "ds-zero3":
+        wrapped = deepspeed_engine = _deepspeed_stage3(model, batch_size)
     else:
         policy = owns_parameters if system == "zero3-per-layer" else None
         # The strategies' checks: one agreement per step on the control channel (see engine/comm/control.py).
         comm = Comm(checks="auto", control=ControlChannel.create())
         sharded = ShardedModel(model, stage=_STAGE[system], comm=comm, policy=policy)
         wrapped = model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) if deepspeed_engine is None else None
     if sharded is not None:
         sharded.bind_optimizer(optimizer)
     times = []
@@ -98,6 +102,14 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
         x, y = _batch(name, step, rank, batch_size)
         dist.barrier()
         start = time.perf_counter()
+        if deepspeed_engine is not None:  # it zeroes the gradients inside step()
+            deepspeed_engine.backward(_loss(name, wrapped, x, y))
+            deepspeed_engine.step()
+            elapsed = torch.tensor(time.perf_counter() - start)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= warmup:
+                times.append(float(elapsed))
+            continue
         optimizer.zero_grad(set_to_none=True)
         if sharded is not None:
             sharded.comm.begin_sequence("training", [step], lambda: "a training step")
@@ -114,7 +126,29 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
             times.append(float(elapsed))
     if sharded is not None:
         sharded.release(gather=False)
+    if deepspeed_engine is not None:
+        deepspeed_engine.destroy()
     return times
+
+
+def _deepspeed_stage3(model: nn.Module, batch_size: int) -> nn.Module:
+    """DeepSpeed ZeRO-3 over the model, torch's AdamW as the client optimizer (as every other system steps)."""
+    from benchmarks.systems import deepspeed_unavailable
+
+    reason = deepspeed_unavailable()  # sets DS_ACCELERATOR=cpu before DeepSpeed is imported
+    if reason is not None:
+        raise RuntimeError(f"ds-zero3 cannot run here: {reason}")
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 1 << 30,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    return engine
 
 
 def _fully_shard_blocks(model: nn.Module) -> nn.Module:

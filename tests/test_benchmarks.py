@@ -3,6 +3,7 @@ check runs its logic on the CPU, so that it works the day a GPU is lent."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -134,3 +135,37 @@ def test_gpu_check_dry_run_trains_every_variant_like_plain_training(tmp_path: Pa
         assert len(row["losses"]) == 3 and row["overhead_vs_plain"] > 0
         assert row["max_loss_diff_vs_plain"] == 0.0, (variant, precision, row)
     assert (tmp_path / "gpu_check.md").read_text().startswith("|")
+
+
+def test_capacity_ladder_counts_parameters_and_the_search_finds_the_boundary(monkeypatch) -> None:
+    """``benchmarks.capacity`` without processes: the ladder's parameter count is the model's, and the search
+    (from the theory's guess, steps that double, then bisection) ends at the largest rung that fits, having
+    probed the one above it, whether the guess was too small or too large."""
+    from benchmarks import capacity
+    from benchmarks.model import BenchGPT, count_params
+
+    rungs = capacity.ladder(64)
+    assert [r.n_layer for r in rungs[:14]] == [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 18]
+    assert all(b.numel() / a.numel() < 1.2 for a, b in itertools.pairwise(rungs[8:]))  # steps of about 10%
+    for rung in rungs[:3]:
+        assert rung.numel() == count_params(BenchGPT(rung.config()))
+    for boundary in (0, 3, 17, 30):  # the guess (for a 1 GiB limit) lands below some and above others
+        probed: list[int] = []
+
+        def probe(system, rung, world_size, limit, steps, timeout, boundary=boundary, probed=probed):
+            index = rungs.index(rung)
+            probed.append(index)
+            fits = index <= boundary
+            return {
+                "system": system,
+                "n_layer": rung.n_layer,
+                "numel": rung.numel(),
+                "fits": fits,
+                "status": "ok" if fits else "over budget",
+            }
+
+        monkeypatch.setattr(capacity, "run_probe", probe)
+        best, probes = capacity.search("zero3-defaults", rungs, 2, 2**30, 3, 60.0, log=lambda _: None)
+        assert best == rungs[boundary], (boundary, probed)
+        assert boundary + 1 in probed and len(probed) == len(set(probed)) <= 12, (boundary, probed)
+        assert [p["n_layer"] for p in probes] == sorted(p["n_layer"] for p in probes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -59,24 +60,35 @@ def _optimizer(kind: str, params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
+def _tied_pair(stage: int, kind: str, **options: object):
+    """The same ``TiedNet`` twice from seed 0: under DDP with its optimizer, and sharded with its own."""
+    torch.manual_seed(0)
+    reference = TiedNet()
+    model = copy.deepcopy(reference)
+    ddp = DistributedDataParallel(reference)
+    ref_opt = _optimizer(kind, ddp.parameters())
+    sharded = ShardedModel(model, stage=stage, comm=Comm(), **options)
+    opt = _optimizer(kind, model.parameters())
+    sharded.bind_optimizer(opt)
+    return reference, model, ddp, ref_opt, sharded, opt
+
+
+def _ddp_step(ddp: nn.Module, ref_opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    ref_loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
+    ref_opt.zero_grad()
+    ref_loss.backward()
+    ref_opt.step()
+    return ref_loss
+
+
 def _parity(rank: int, world_size: int) -> None:
     for stage in (1, 2, 3):
         for kind in ("sgd", "adamw"):
-            torch.manual_seed(0)
-            reference = TiedNet()
-            model = copy.deepcopy(reference)
-            ddp = DistributedDataParallel(reference)
-            ref_opt = _optimizer(kind, ddp.parameters())
-            sharded = ShardedModel(model, stage=stage, comm=Comm())
-            opt = _optimizer(kind, model.parameters())
-            sharded.bind_optimizer(opt)
+            reference, model, ddp, ref_opt, sharded, opt = _tied_pair(stage, kind)
             data = torch.Generator().manual_seed(rank)
             for _ in range(4):
                 x, y = torch.randint(0, 11, (4, 5), generator=data), torch.randint(0, 11, (4, 5), generator=data)
-                ref_loss = nn.functional.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
-                ref_opt.zero_grad()
-                ref_loss.backward()
-                ref_opt.step()
+                ref_loss = _ddp_step(ddp, ref_opt, x, y)
                 with sharded.step_context():
                     loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
                     opt.zero_grad()
@@ -175,6 +187,53 @@ def _zero_grad_semantics(rank: int, world_size: int) -> None:
 
 def test_zero_grad_step_and_weight_access_keep_ddp_semantics() -> None:
     spawn(_zero_grad_semantics, world_size=2)
+
+
+def _reads_while_the_post_step_gather_travels(rank: int, world_size: int) -> None:
+    """Stages 1 and 2 leave the post-step all-gathers in flight
+    (see [Note: parameters whose values are on their way] in placeholder.py): every read before the next forward
+    waits for them and sees DDP's values, on one rank or on all, and the next step is still DDP's."""
+    for stage in (1, 2):
+        reference, model, ddp, ref_opt, sharded, opt = _tied_pair(stage, "adamw", policy=owns_parameters)
+        data = torch.Generator().manual_seed(rank)
+        for step in range(5):
+            x, y = torch.randint(0, 11, (4, 5), generator=data), torch.randint(0, 11, (4, 5), generator=data)
+            ref_loss = _ddp_step(ddp, ref_opt, x, y)
+            with sharded.step_context():
+                assert not any(u.arriving for u in sharded.units), (stage, step)  # begin_step waited
+                loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                opt.zero_grad()
+                loss.backward()
+            opt.step()
+            sharded.after_optimizer_step(opt)
+            assert loss.item() == ref_loss.item(), (stage, step)
+            assert all(u.arriving for u in sharded.units), (stage, step)  # in flight
+            assert type(model.up.weight) is not nn.Parameter and model.up.weight.shape == reference.up.weight.shape
+            if step == 0:  # a read on every rank, through each door a callback might use
+                assert torch.equal(model.up.weight.detach(), reference.up.weight.detach()), stage
+                assert type(model.up.weight) is nn.Parameter  # its unit settled by the read
+                assert torch.equal(copy.deepcopy(model).down.weight, reference.down.weight), stage
+            elif step == 1:
+                state = model.state_dict()
+                for key, value in reference.state_dict().items():
+                    assert torch.equal(state[key], value), (stage, key)
+            elif step == 2 and rank == 0:  # on one rank only: local, it pairs with no collective
+                assert float(model.emb.weight.detach().norm()) == float(reference.emb.weight.detach().norm()), stage
+            elif step == 3:  # an in-place write waits for the values first, then applies to them
+                with torch.no_grad():
+                    model.scale.mul_(1.0)
+                    reference.scale.mul_(1.0)
+        for key, value in reference.state_dict().items():
+            assert torch.equal(model.state_dict()[key], value), (stage, key)
+        # A failure right after a step: the gathers every rank issued have completed, so the values are kept.
+        time.sleep(0.2)
+        sharded.release(gather=False)
+        for mine, theirs in zip(model.parameters(), reference.parameters()):
+            assert torch.equal(mine.detach(), theirs.detach()), stage
+
+
+def test_reads_before_the_next_forward_wait_for_the_post_step_gather() -> None:
+    spawn(_reads_while_the_post_step_gather_travels, world_size=2)
 
 
 def _comm_and_memory(rank: int, world_size: int) -> None:

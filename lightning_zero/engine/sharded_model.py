@@ -233,6 +233,7 @@ class ShardedModel:
         """Start a step (a forward, and its backward when training): rank 0's buffers on DDP's schedule (see
         [Note: buffer broadcast]), the root unit held and the first units prefetched (stage 3; see
         [Note: prefetch] in ``stage3.py``)."""
+        self.wait_for_parameters()
         self.adopt_rebound_data()
         if self._forward_syncs_buffers:
             self._sync_buffers()
@@ -409,13 +410,23 @@ class ShardedModel:
         """The shard parameters (holders of master pieces and sharded gradients) of ``optimizer``'s parameters."""
         return [self._shard_of[p][0] if p in self._shard_of else p for g in optimizer.param_groups for p in g["params"]]
 
-    def after_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Spread the updated shards of ``optimizer``'s units to every rank (one all-gather per unit, all
-        issued before any is waited for)."""
-        pending = [unit.gather_updated_shards(async_op=True) for unit in self.units_of(optimizer)]
-        for work in pending:
-            if work is not None:
-                work.wait()
+    def after_optimizer_step(self, optimizer: Optimizer, wait: bool = False) -> None:
+        """Spread the updated shards of ``optimizer``'s units to every rank: one all-gather per unit whose full
+        parameters are kept (stages 1 and 2), issued and left in flight. The next ``begin_step`` waits for them,
+        and so does anything that uses a parameter's values before it (see [Note: parameters whose values are on
+        their way] in ``core/placeholder.py``). ``wait=True`` waits here."""
+        for unit in self.units_of(optimizer):
+            pending = unit.gather_updated_shards(async_op=True)
+            if wait and pending is not None:
+                pending.wait()
+            else:
+                unit.leave_in_flight(pending)
+
+    def wait_for_parameters(self) -> None:
+        """Wait for the post-step all-gathers still in flight (``after_optimizer_step``); free when there are none."""
+        for unit in self.units:
+            if unit.arriving:
+                unit.wait_gather()
 
     def units_of(self, optimizer: Optimizer) -> list[ShardedUnit]:
         """The units whose parameters ``optimizer`` steps (worked out once per param-group shape: this

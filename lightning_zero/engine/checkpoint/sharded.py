@@ -383,6 +383,7 @@ def load_sharded(
         wanted = _optimizer_target(model, optimizer, index, saved, mesh)
         optimizer_targets.append(wanted)
         target.update({k: v for k, (v, _) in wanted.items() if v is not None})
+    model.wait_for_parameters()  # a post-step gather in flight reads the masters the load writes
     for unit in model.units:  # the load writes the masters: offloaded shards among them (see unit.py)
         unit.wait_host_reads()
     _dcp_load(target, reader)

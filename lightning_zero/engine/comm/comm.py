@@ -135,6 +135,15 @@ class Pending:
     def done(self) -> bool:
         return self._work is None
 
+    def completed(self) -> bool:
+        """Whether the collective has finished, waited for or not (asks the backend; never blocks)."""
+        if self._work is None:
+            return True
+        try:
+            return bool(self._work.is_completed())
+        except Exception:  # a backend that cannot tell: not known to be complete
+            return False
+
     def wait(self) -> None:
         if self._work is None:
             return

@@ -138,9 +138,11 @@ from lightning_zero.engine.core.param_checks import check_unit_params
 from lightning_zero.engine.core.placeholder import (
     ShardedParameterReadError,
     ShardedParameterWriteError,
+    arrive,
     hide,
     passthrough,
     reveal,
+    settle,
 )
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -292,6 +294,8 @@ class ShardedUnit:
         self._views = [p.data for p in params]
         self._placeholders = [placeholder_like(p) for p in params]
         self._hidden_classes: dict[type, type] = {}  # see [Note: reading a sharded parameter] in placeholder.py
+        self._arriving_classes: dict[type, type] = {}  # see [Note: parameters whose values are on their way]
+        self._arriving = False  # the parameters wait for ``_gathering`` on use (the post-step gather in flight)
         self.between_runs: str | None = None  # set while the model stays sharded between runs (ShardedModel.release)
         self._exposed = True
         self._versions_when_hidden: list[int] = []
@@ -392,6 +396,25 @@ class ShardedUnit:
         if self._gathering is not None:
             self._gathering.wait()
             self._gathering = None
+        if self._arriving:
+            self._arriving = False
+            settle(self.params)
+
+    @property
+    def arriving(self) -> bool:
+        """Whether the post-step all-gather is in flight with the parameters waiting for it on use."""
+        return self._arriving
+
+    def leave_in_flight(self, pending: Pending | None) -> None:
+        """Keep ``pending`` (this unit's post-step all-gather, from ``gather_updated_shards(async_op=True)``) in
+        flight: the parameters wait for it when first used (see [Note: parameters whose values are on their way]
+        in ``placeholder.py``)."""
+        if pending is None:
+            return
+        self._gathering = pending
+        if self._exposed:
+            self._arriving = True
+            arrive(self.params, self, self._arriving_classes)
 
     def wait_gather(self) -> None:
         """Wait for a prefetching all-gather, if one is in flight; the parameters then show its values."""
@@ -549,9 +572,13 @@ class ShardedUnit:
         collective. What cannot be rebuilt alone (stage-3 parameters, or master values that only exist
         as shards under mixed precision) becomes NaN, loud rather than silently wrong; reload it from a
         checkpoint."""
-        # A gather issued ahead whose peers may be gone is never waited for, and what it wrote is not trusted.
-        lost = self.state is UnitState.SHARDED or not self._exposed or self.separate_master
+        # A gather issued ahead whose peers may be gone is never waited for, and what it wrote is not trusted,
+        # unless it is known to have completed (a post-step gather every rank issued before the failure).
+        unfinished = self._gathering is not None and not self._gathering.completed()
+        lost = self.state is UnitState.SHARDED or not self._exposed or self.separate_master or unfinished
         self._gathering = None
+        self._arriving = False
+        settle(self.params)
         reveal(self.params)
         with torch.no_grad():
             for param, view in zip(self.params, self._views):
@@ -596,6 +623,7 @@ class ShardedUnit:
     def show(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Point the parameters at ``tensors``; return what they pointed at (to ``show`` again later). Writes made
         meanwhile are the caller's to handle (``take_writes``)."""
+        self._finish_gather()
         with passthrough():
             previous = [p.data for p in self.params]
         reveal(self.params)
@@ -629,7 +657,9 @@ class ShardedUnit:
 
     def reveal(self) -> None:
         """Let the parameters behave as plain tensors (of whatever their ``.data`` is) until ``conceal_if_sharded``:
-        for the engine's own work on them, e.g. an optimizer step on the master pieces."""
+        for the engine's own work on them, e.g. an optimizer step on the master pieces (which may be slices of the
+        buffer a gather in flight writes: waited for first)."""
+        self._finish_gather()
         reveal(self.params)
 
     def conceal_if_sharded(self) -> None:
