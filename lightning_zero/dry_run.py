@@ -12,7 +12,11 @@ real, and so are the bytes ``Comm`` counts with its ring model (each collective 
 send). What the simulation leaves out:
 
 - activations and the autograd graph are this process's (one micro-batch of the given shape), so the peak RSS is
-  the job's only for that batch;
+  the job's only for that batch; the peak in a step (``StepMemory``, see [Note: peak bytes in a step]) counts
+  them as tensors, beside the model state at rest and the gathered units;
+- every collective completes at once, so no reduction is still in flight when the next begins (a real run may
+  hold up to the reduce-buffer bound there), and none allocates beyond its output, as NCCL's do (gloo, which has
+  no reduce-scatter, passes a small one through a temporary the size of the unit's gradients);
 - CPU memory has no caching allocator: a GPU's fragmentation and NCCL's own buffers (typically a few hundred MB
   per process) are not counted;
 - time: collectives cost nothing here, so the wall time is the compute of one rank on this machine, not a step
@@ -33,6 +37,7 @@ import json
 import resource
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,15 +46,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from lightning_zero.driver.config import ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
+from lightning_zero.engine.core.ledger import GatherLedger
 from lightning_zero.engine.core.memory import theory_bytes
 from lightning_zero.engine.sharded_model import ShardedModel
 from lightning_zero.estimate import estimate_memory
 from lightning_zero.estimate_report import format_bytes
 
 DRY_RUN_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+STATE_KEYS = ("params", "master_params", "grads", "optimizer_states", "host_params")
 
 
 @dataclass
@@ -70,6 +79,7 @@ class DryRunReport:
     peak_gathered_bytes: int  # stage 3's gathered units at their most, in the last step
     units_at_peak: list[str]
     reduce_buffer_bytes: int  # the bound on the reduce-scatter buffers in flight or kept (the two largest units)
+    peak_step_bytes: dict[str, int]  # at the last step's peak: model state at rest, gathered units, step allocations
     bytes_sent_per_step: dict[str, dict[str, int]]  # by Comm ("world"; hybrid: "shard", "replicate"), then by kind
     calls_per_step: dict[str, dict[str, int]]
     theory_bytes_sent_per_step: float  # 2Ψ or 3Ψ elements x (S-1)/S, plus the replica all-reduce under hybrid
@@ -115,6 +125,8 @@ class DryRunReport:
             f"{format_bytes(self.theory_bytes_sent_per_step)} | {format_bytes(self.estimate.get('comm_bytes', 0.0))} |",
             "",
             "model state: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in self.model_state_bytes.items()),
+            "peak in a step: "
+            + ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in self.peak_step_bytes.items()),
             "units gathered at the peak: " + (", ".join(self.units_at_peak) or "none"),
             f"reduce-scatter buffers in flight or kept: at most {format_bytes(self.reduce_buffer_bytes)}",
             "sent per step: "
@@ -127,6 +139,72 @@ class DryRunReport:
             *self.notes,
         ]
         return "\n".join(lines)
+
+
+class StepMemory(TorchDispatchMode):
+    """Tensor storage a block of code allocates, alive at each aten op, and its peak, with stage 3's gathered units
+    (``ledger``) beside it: the peak is the op where the two together are largest.
+
+    [Note: peak bytes in a step]
+    Every tensor an op returns on a storage that did not exist before the block (activations, what autograd saves,
+    full gradients before their reduction, reduce-scatter buffers, the gradient shards produced, the optimizer's
+    temporaries) is counted from the op that made it until its last tensor is gone (a weak reference per tensor,
+    counted per storage). The gathered units are the ledger's: their buffers exist before the step and are resized,
+    not allocated, so they are not counted twice. Model state at rest (parameters, masters, optimizer states) is
+    what existed before and is added by the caller. Example::
+
+        with StepMemory(sharded.gathered) as step:
+            train_one_step()
+        step.peak_allocated, step.gathered_at_peak
+    """
+
+    def __init__(self, ledger: GatherLedger) -> None:
+        super().__init__()
+        self._ledger = ledger
+        self._before: set[int] = set()  # storages seen as inputs before they were made here: older than the block
+        self._tensors: dict[int, int] = {}  # storage -> tensors alive on it
+        self._bytes: dict[int, int] = {}
+        self._refs: dict[int, Any] = {}  # the weak references themselves, kept alive (by id: they compare by value)
+        self.allocated = 0
+        self.peak_allocated = 0
+        self.gathered_at_peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten((args, kwargs))[0]:
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                key = tensor.untyped_storage().data_ptr()
+                if key not in self._tensors:
+                    self._before.add(key)
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta:
+                self._track(tensor)
+        gathered = self._ledger.current
+        if self.allocated + gathered > self.peak_allocated + self.gathered_at_peak:
+            self.peak_allocated, self.gathered_at_peak = self.allocated, gathered
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or (key in self._before and key not in self._tensors):
+            return  # no memory, or a view or in-place result of a storage older than the block
+        if key not in self._tensors:
+            self._tensors[key] = 0
+            self._bytes[key] = storage.nbytes()
+            self.allocated += storage.nbytes()
+        self._tensors[key] += 1
+
+        def gone(ref: Any, key: int = key) -> None:
+            self._refs.pop(id(ref), None)
+            self._tensors[key] -= 1
+            if self._tensors[key] == 0:
+                del self._tensors[key]
+                self.allocated -= self._bytes.pop(key)
+                self._before.discard(key)  # the address may be handed out again
+
+        ref = weakref.ref(tensor, gone)
+        self._refs[id(ref)] = ref
 
 
 def dry_run(
@@ -192,13 +270,15 @@ def dry_run(
         sharded.reducer.check_finite = False  # the reduced values are this rank's alone: nothing to check
         batch = _batch(module, batch_shape)
         before: dict[str, Any] = {}
-        for step in range(steps):
-            if step == steps - 1:
-                before = {name: comm.stats.snapshot() for name, comm in sharded.comms().items()}
-                sharded.gathered.reset()
+        at_rest: dict[str, int] = {}
+        for step in range(steps - 1):
             _train_step(module, sharded, optimizer, plugin, batch, step)
-            if step < steps - 1:
-                optimizer.zero_grad()
+            optimizer.zero_grad()
+        before = {name: comm.stats.snapshot() for name, comm in sharded.comms().items()}
+        sharded.gathered.reset()
+        at_rest = sharded.memory_stats()  # before the last step: what it starts from
+        with StepMemory(sharded.gathered) as tracked:
+            _train_step(module, sharded, optimizer, plugin, batch, steps - 1)
         after = {name: comm.stats.snapshot() for name, comm in sharded.comms().items()}
         state = sharded.memory_stats()
         report = _report(
@@ -216,6 +296,12 @@ def dry_run(
             before,
             after,
         )
+        report.peak_step_bytes = {
+            "model_state_at_rest": sum(at_rest[k] for k in STATE_KEYS),
+            "gathered": tracked.gathered_at_peak,
+            "step_allocations": tracked.peak_allocated,
+        }
+        report.peak_step_bytes["total"] = sum(report.peak_step_bytes.values())
         optimizer.zero_grad()
         report.wall_seconds = time.perf_counter() - start
         report.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -335,7 +421,7 @@ def _report(
         shard_size=None if shard == world_size else shard,
     )
     row = est.row(f"zero{config.stage}")
-    model_state = {k: state[k] for k in ("params", "master_params", "grads", "optimizer_states", "host_params")}
+    model_state = {k: state[k] for k in STATE_KEYS}
     notes = []
     if world_size % min(world_size, 8):
         notes.append("estimator: the world does not split into nodes of 8; its row assumes one node")
@@ -354,6 +440,7 @@ def _report(
         peak_gathered_bytes=sharded.gathered.peak,
         units_at_peak=list(sharded.gathered.at_peak),
         reduce_buffer_bytes=int(sharded.reducer.max_in_flight_bytes),
+        peak_step_bytes={},
         bytes_sent_per_step=sent,
         calls_per_step=calls,
         theory_bytes_sent_per_step=traffic,

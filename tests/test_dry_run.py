@@ -14,6 +14,7 @@ import torch
 
 from lightning_zero.driver.config import ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
+from lightning_zero.dry_run import STATE_KEYS, StepMemory
 from lightning_zero.strategies.precision import ZeROPrecision
 from tests.distributed import spawn
 
@@ -104,10 +105,14 @@ def _real_run(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     sharded.bind_optimizer(optimizer)
     x = torch.zeros(SHAPE, dtype=torch.long)
     before: Any = None
+    at_rest: dict[str, int] = {}
+    tracked: Any = None
     for step in range(2):
         if step == 1:
             before = sharded.comm.stats.snapshot()
             sharded.gathered.reset()
+            at_rest = sharded.memory_stats()
+            tracked = StepMemory(sharded.gathered).__enter__()
         sharded.begin_step()
         module.training_step((x, x.clone()), step).backward()
         sharded.end_step()
@@ -116,12 +121,19 @@ def _real_run(rank: int, world_size: int, stage: int) -> dict[str, Any]:
         sharded.after_optimizer_step(optimizer)
         if step == 0:
             optimizer.zero_grad()
+    tracked.__exit__(None, None, None)
     sent = sharded.comm.stats.snapshot().since(before)
     stats = sharded.memory_stats()
     return {
         "state": {k: stats[k] for k in ("params", "master_params", "grads", "optimizer_states", "host_params")},
         "sent": {k: v.bytes_sent for k, v in sent.by_kind.items() if v.calls and k != "all_reduce"},
         "peak": sharded.gathered.peak,
+        "peak_step": {
+            "model_state_at_rest": sum(at_rest[k] for k in STATE_KEYS),
+            "gathered": tracked.gathered_at_peak,
+            "step_allocations": tracked.peak_allocated,
+        },
+        "largest_unit_bytes": max(u.layout.padded_numel for u in sharded.units) * 4,
     }
 
 
@@ -135,3 +147,14 @@ def test_dry_run_at_two_ranks_equals_a_real_two_rank_run() -> None:
             sent = {k: v for k, v in dry["bytes_sent_per_step"]["world"].items() if k != "all_reduce"}
             assert sent == real["sent"], (stage, rank)
             assert dry["peak_gathered_bytes"] == real["peak"], (stage, rank)
+            peak_step = dict(dry["peak_step_bytes"])
+            assert peak_step.pop("total") == sum(peak_step.values()), (stage, rank)
+            assert peak_step["step_allocations"] > 0 and (peak_step["gathered"] > 0) == (stage == 3), (stage, rank)
+            # The fake backend completes every collective at once. A real gloo run may have a second reduction in
+            # flight (its buffer not yet free for reuse: up to the reduce-buffer bound) and, having no
+            # reduce-scatter, passes a small one through a temporary as large as the unit's gradients.
+            extra = real["peak_step"]["step_allocations"] - peak_step.pop("step_allocations")
+            bound = dry["reduce_buffer_bytes"] + real["largest_unit_bytes"]
+            assert 0 <= extra <= bound, (stage, rank, extra, bound)
+            real["peak_step"].pop("step_allocations")
+            assert peak_step == real["peak_step"], (stage, rank)
