@@ -370,3 +370,41 @@ def test_an_optimizer_made_before_setup_over_init_module_parameters_trains_as_dd
     real at setup, so an optimizer built over them before ``fabric.setup`` trains them, bitwise as under DDP."""
     for result in spawn(_optimizer_made_before_setup, world_size=2, timeout=300):
         assert all(torch.equal(result["ddp"][k], v) for k, v in result["zero3"].items())
+
+
+def _reads_between_steps(rank: int, world_size: int) -> dict[str, Any]:
+    """A Fabric loop that reads every weight right after ``optimizer.step()`` (as code logging or saving weights
+    does), and on rank 0 alone one weight's norm: stages 1 and 2 leave the post-step all-gather in flight, and
+    those reads must wait for it and see DDP's values (see [Note: parameters whose values are on their way])."""
+    example = _example()
+    args = example.LoopArgs(steps=3, micro_batches=1, max_norm=None)
+    vocab_size, tokens = example.corpus_tokens()
+    results: dict[str, Any] = {}
+    for strategy in ("ddp", "zero1", "zero2"):
+        fabric = _fabric(strategy, world_size)
+        state = example.setup(fabric, args, vocab_size)
+        model, optimizer = state["model"], state["optimizer"]
+        data = example.batches(args, fabric, vocab_size, tokens)
+        sums, in_flight, norms = [], [], []
+        for step in range(args.steps):
+            chunk = fabric.to_device(data[step])
+            logits = model(chunk[:, :-1])
+            fabric.backward(nn.functional.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten()))
+            optimizer.step()
+            if strategy != "ddp":
+                in_flight.append(all(u.arriving for u in fabric.strategy.sharded_model.units))
+            if rank == 0:  # on one rank only: local, no collective to pair with
+                norms.append(float(next(model.parameters()).detach().norm()))
+            sums.append([float(v.double().sum()) for v in model.state_dict().values()])
+            optimizer.zero_grad()
+        results[strategy] = {"sums": sums, "in_flight": in_flight, "norms": norms}
+        fabric.strategy.teardown()
+    return results
+
+
+def test_reads_right_after_the_optimizer_step_wait_for_the_gathered_weights() -> None:
+    for rank, results in enumerate(spawn(_reads_between_steps, world_size=2)):
+        for strategy in ("zero1", "zero2"):
+            assert results[strategy]["in_flight"] == [True] * 3, (rank, strategy)
+            assert results[strategy]["sums"] == results["ddp"]["sums"], (rank, strategy)
+            assert results[strategy]["norms"] == results["ddp"]["norms"], (rank, strategy)
