@@ -105,21 +105,17 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
         if deepspeed_engine is not None:  # it zeroes the gradients inside step()
             deepspeed_engine.backward(_loss(name, wrapped, x, y))
             deepspeed_engine.step()
-            elapsed = torch.tensor(time.perf_counter() - start)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= warmup:
-                times.append(float(elapsed))
-            continue
-        optimizer.zero_grad(set_to_none=True)
-        if sharded is not None:
-            sharded.comm.begin_sequence("training", [step], lambda: "a training step")
-            with sharded.step_context():
-                _loss(name, wrapped, x, y).backward()
         else:
-            _loss(name, wrapped, x, y).backward()
-        optimizer.step()
-        if sharded is not None:
-            sharded.after_optimizer_step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            if sharded is not None:
+                sharded.comm.begin_sequence("training", [step], lambda: "a training step")
+                with sharded.step_context():
+                    _loss(name, wrapped, x, y).backward()
+            else:
+                _loss(name, wrapped, x, y).backward()
+            optimizer.step()
+            if sharded is not None:
+                sharded.after_optimizer_step(optimizer)
         elapsed = torch.tensor(time.perf_counter() - start)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= warmup:

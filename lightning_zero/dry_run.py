@@ -269,8 +269,6 @@ def dry_run(
         sharded.bind_optimizer(optimizer)
         sharded.reducer.check_finite = False  # the reduced values are this rank's alone: nothing to check
         batch = _batch(module, batch_shape)
-        before: dict[str, Any] = {}
-        at_rest: dict[str, int] = {}
         for step in range(steps - 1):
             _train_step(module, sharded, optimizer, plugin, batch, step)
             optimizer.zero_grad()
