@@ -243,18 +243,20 @@ class _MLP(L.LightningModule):
 
 
 class _StepAccounting(Callback):
-    """What one training step sends, counted from the end of the previous step: stage 3 issues the step's first
-    gathers at its agreement, before the batch is fetched and ``on_train_batch_start`` runs (see
-    [Note: gathers at the start of a batch])."""
+    """What one training step sends, counted from the end of one step to the end of the next, for the step before
+    the last: stage 3 issues a step's first gathers at the end of the previous optimizer step (none after the last
+    one), so each window between two batch ends but the last holds exactly one step's gathers (see [Note: gathers
+    at the start of a batch])."""
 
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
         trainer.strategy.sharded_model.comm.stats.reset()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         sharded = trainer.strategy.sharded_model
-        self.stats = sharded.comm.stats.as_dict()
-        self.memory = sharded.memory_stats()
-        self.units = [(u.layout.padded_numel, u.layout.shard_numel) for u in sharded.units]
+        if trainer.global_step == trainer.max_steps - 1:
+            self.stats = sharded.comm.stats.as_dict()
+            self.memory = sharded.memory_stats()
+            self.units = [(u.layout.padded_numel, u.layout.shard_numel) for u in sharded.units]
         sharded.comm.stats.reset()
 
 

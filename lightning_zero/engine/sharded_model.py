@@ -245,32 +245,51 @@ class ShardedModel:
 
     def gather_for_next_step(self) -> None:
         """Issue, without waiting, the all-gathers a training step begins with (stage 3: the root unit and the
-        first units of the recorded forward), right after every rank agreed to start it.
+        first units of the recorded forward), at a point every rank is known to reach together: right after an
+        optimizer step outside a step (both doors), or right after every rank agreed to start a training batch
+        (the Trainer's door, for the micro-batches no optimizer step precedes). Idempotent; nothing for stages 1
+        and 2 (their next step's parameters are already on their way: ``after_optimizer_step``).
 
         [Note: gathers at the start of a batch]
         A training step of stage 3 begins by waiting for the root unit's all-gather (``begin_step`` holds it):
-        on a small model, an exchange more than DDP has on its step path. The Trainer's strategies agree on
-        every training step before the batch is fetched (see [Note: the start of a training batch] in
-        ``strategies/agreement.py``); from there to ``training_step`` come the fetch, the transfer to the
-        device and the ``on_train_batch_start`` hooks. The gathers are issued at the agreement, so that they
-        travel during that time, and ``begin_step`` then finds them done (measured on the GPT-2 of the
-        real-model matrix, 2 CPU processes: ``begin_step`` 1.2-1.7 ms -> 0.5-0.6 ms per step; there the two
-        processes share two cores, and the step as a whole does not clearly shorten). Issued only *after* the
-        agreement has answered: every rank is then known to start this training step, so every rank issues
-        the same gathers (a gather issued before would pair with whatever another rank does next if the
-        ranks had parted ways). They are collectives of the step's sequence (``Comm.begin_sequence`` is
-        called at the agreement, ``Comm.continue_sequence`` names its key in ``training_step``) and are
-        checked like the step's other collectives.
+        on a small model, an exchange more than DDP has on its step path, and on two processes that share the
+        cores every exchange waited for costs the time one rank lags the other. So the gathers are issued
+        ahead, where every rank is known to issue them in the same place of its sequence of collectives, and
+        travel behind the loop's own work: the ``on_train_batch_end`` hooks, logging, the next fetch and its
+        transfer, the ``on_train_batch_start`` hooks (Fabric: whatever user code runs between
+        ``optimizer.step()`` and the next forward). Two such places:
+
+        - the end of an optimizer step that no step context is around (Lightning's automatic optimization;
+          Fabric's ``optimizer.step()``): every rank has just stepped, since the step's reductions and the
+          step itself are collectives of every rank. The gathers are collectives of the step just ended,
+          checked with it ([Note: collective checks] in ``comm/sequence.py``). The Trainer's door issues them
+          after every optimizer step but the last of ``max_steps``; the condition may depend only on what
+          every rank knows alike (a rank that runs out of data counts the epoch's batches differently, and a
+          gather issued by one rank only would pair with whatever the other does next). Manual
+          optimization steps inside ``training_step``, where the root unit is held and a forward may follow
+          in the same step: nothing is issued there;
+        - the step agreement of the Trainer's door, for a training batch no optimizer step precedes (the first,
+          the micro-batches of gradient accumulation), issued only *after* the agreement has answered: every
+          rank is then known to start this training step, so every rank issues the same gathers (a gather issued
+          before would pair with whatever another rank does next if the ranks had parted ways). They are
+          collectives of the step's sequence (``Comm.begin_sequence`` is called at the agreement,
+          ``Comm.continue_sequence`` names its key in ``training_step``). Where both apply, the second finds
+          the units gathered and issues nothing.
 
         Until ``begin_step`` waits for them, the parameters stay placeholders (``ShardedUnit.wait_gather``
-        shows the values only when it is waited for), so the hooks in between see what they saw before.
-        What those hooks may do to a parameter is caught as it is outside any step: an in-place write into a placeholder
-        raises when the gather is waited for (``check_no_hidden_writes`` runs there too), and values given
-        by rebinding ``.data`` are copied into the gathered buffer as well as into the shard
-        (``adopt_rebound_data``). If the step does not follow (``on_train_batch_start`` returned -1, the data
-        ran out, a hook raised), the gathered units are freed when the next step ends, or by
-        ``free_unused_units`` (the end of training). On CUDA the gathers run on the communication stream,
-        as prefetches do: nothing here waits for the device.
+        shows the values only when it is waited for), so the code in between sees what it saw before; a read
+        of one of their values by user code is a collective as it was (``ShardedUnit.full_flat``). What
+        that code may do to a parameter is caught as it is outside any step: an in-place write into a
+        placeholder raises when the gather is waited for (``check_no_hidden_writes`` runs there too), values
+        given by rebinding ``.data`` are copied into the gathered buffer as well as into the shard
+        (``adopt_rebound_data``), and the engine's own writes into the shards of a gathered unit (another
+        optimizer's step, ``gathered_parameters()`` with writes, a state dict loaded) gather it again
+        (``ShardedUnit.gather_updated_shards``, ``load_full_flat``). Memory: the first units stay gathered
+        between two steps, as they would be during the next fetch anyway. If no training step follows
+        (validation, the end of training, a batch skipped by ``on_train_batch_start``), an evaluation forward
+        uses the units it needs and frees the rest when it ends, and ``free_unused_units`` (the end of training)
+        or teardown frees them. On CUDA the gathers run on the communication stream, as prefetches do: nothing
+        here waits for the device.
         """
         if self.stage3 is None or not torch.is_grad_enabled():
             return
@@ -315,20 +334,21 @@ class ShardedModel:
             yield
 
     def _sync_buffers(self) -> None:
-        """Broadcast rank 0's buffers (one collective per dtype), as DDP's ``broadcast_buffers``."""
+        """Broadcast rank 0's buffers, as DDP's ``broadcast_buffers``: one collective for all of them (their bytes
+        side by side, whatever their dtypes; DDP sends one per dtype), so a model with BatchNorm (float statistics,
+        an int64 counter) waits at one exchange per step, not two. Exact: bytes are copied, not converted."""
         if not self.broadcast_buffers or not self._has_buffers or self.comm.world_size == 1:
             return
-        buffers = [b for b in self.module.buffers() if b is not None]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for buf in buffers:
-            by_dtype.setdefault(buf.dtype, []).append(buf)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for buf in self.module.buffers():
+            if buf is not None:
+                by_device.setdefault(buf.device, []).append(buf)
         with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([b.reshape(-1) for b in group])
+            for group in by_device.values():
+                flat = torch.cat([b.reshape(-1).view(torch.uint8) for b in group])
                 self.comm.broadcast(flat, src=0)
-                torch._foreach_copy_(
-                    group, [v.view_as(b) for v, b in zip(flat.split([b.numel() for b in group]), group)]
-                )
+                sizes = [b.numel() * b.element_size() for b in group]
+                torch._foreach_copy_(group, [v.view(b.dtype).view_as(b) for v, b in zip(flat.split(sizes), group)])
 
     # ------------------------------------------------------------------ optimizers
     def bind_optimizer(self, optimizer: Optimizer) -> None:

@@ -198,6 +198,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
             with sharded.on_shards(optimizer):
                 output = self.precision.optimizer_step(optimizer, **kwargs)
             sharded.after_optimizer_step(optimizer)
+            sharded.gather_for_next_step()  # every rank has just stepped (see its docstring)
             return output
 
     @override

@@ -370,6 +370,9 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         if self.lightning_module.automatic_optimization:
             self.sharded_model.end_step()
         self.sharded_model.after_optimizer_step(_unwrap(optimizer))
+        module = self.lightning_module
+        if module.automatic_optimization and _another_step_follows(module.trainer):
+            self.sharded_model.gather_for_next_step()  # every rank has just stepped: see its docstring
         if self.log_stats:
             trainer = self.lightning_module.trainer
             self._step_stats.log(trainer, self.sharded_model, self.root_device, self.skipped_steps)
@@ -610,6 +613,14 @@ def _move_real_tensors(module: Module, device: torch.device) -> None:
         for name, buf in mod._buffers.items():
             if buf is not None and not buf.is_meta and buf.device != device:
                 mod._buffers[name] = buf.to(device)
+
+
+def _another_step_follows(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop has optimizer steps left after this one, as every rank alike knows it (``max_steps``
+    and the step count; not the epoch's batches, which a rank with less data counts differently). After the last
+    one, the next step's first gathers would stay gathered through the end-of-training hooks for a step that does
+    not come (see [Note: gathers at the start of a batch])."""
+    return trainer.max_steps == -1 or trainer.global_step + 1 < trainer.max_steps
 
 
 def _unwrap(optimizer: Optimizer | LightningOptimizer) -> Optimizer:

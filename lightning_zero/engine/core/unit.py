@@ -547,9 +547,13 @@ class ShardedUnit:
     def full_flat(self, purpose: str | None = None) -> torch.Tensor:
         """A full copy of the flat buffer in the master dtype, gathered (for state dicts). With ``purpose`` (what
         user code asked for: ``"state_dict()"``), the gather is named after it and agreed with the other ranks
-        outside steps, so a call on one rank only is reported as such (see ``advice.explain_texts``)."""
+        outside steps, so a call on one rank only is reported as such (see ``advice.explain_texts``). A unit
+        gathered ahead and not yet in use (a prefetch; the next step's first gathers, see [Note: gathers at the
+        start of a batch] in ``sharded_model.py``) is gathered again for such a call: what user code asks for is
+        a collective whether or not the unit happens to be there already, so a read on one rank only fails the
+        same way at every point of the loop."""
         self._finish_gather()
-        if self.state is UnitState.UNSHARDED and not self.separate_master:
+        if self.state is UnitState.UNSHARDED and not self.separate_master and (purpose is None or self._exposed):
             return self.flat.detach().clone()
         full = torch.empty(self.layout.padded_numel, dtype=self.master_dtype, device=self.device)
         name = self.name if purpose is None else f"{self.name} ({purpose})"
