@@ -250,6 +250,11 @@ def _add_dry_run_parser(commands: Any) -> None:
     dry.add_argument("--offload-optimizer", action="store_true", help="optimizer states in CPU memory")
     dry.add_argument("--offload-params", action="store_true", help="stage 3: parameter shards in CPU memory too")
     dry.add_argument("--unit-modules", help="comma-separated module class names that form units (default: found)")
+    dry.add_argument(
+        "--activation-checkpointing",
+        metavar="CLASSES",
+        help="comma-separated module class names whose forward is recomputed in backward (e.g. Block)",
+    )
     dry.add_argument("--steps", type=_positive_int, default=2, help="training steps; the last is measured")
     dry.add_argument(
         "--batch-shape",
@@ -269,6 +274,8 @@ def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except ValueError:
         parser.error(f"--batch-shape must be comma-separated integers, e.g. 1,128; got {args.batch_shape!r}")
     units = [name.strip() for name in args.unit_modules.split(",")] if args.unit_modules else None
+    recomputed = args.activation_checkpointing
+    recomputed = [name.strip() for name in recomputed.split(",")] if recomputed else None
     try:
         report = dry_run(
             args.target,
@@ -282,6 +289,7 @@ def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             unit_modules=units,
             steps=args.steps,
             batch_shape=shape,
+            activation_checkpointing=recomputed,
         )
     except (ValueError, TypeError) as error:
         print(f"dry-run: {error}", file=sys.stderr)

@@ -220,6 +220,7 @@ def dry_run(
     steps: int = 2,
     batch_shape: tuple[int, ...] | None = None,
     init_kwargs: dict[str, Any] | None = None,
+    activation_checkpointing: list[type[nn.Module] | str] | None = None,
 ) -> DryRunReport:
     """Run rank ``rank`` of a ``world_size``-rank ZeRO job in this process (see [Note: dry run]) and report its
     memory and communication. ``target``: ``"FILE.py:CLASS"`` or ``"module:CLASS"`` (a ``LightningModule`` class,
@@ -249,6 +250,7 @@ def dry_run(
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
             shard_size=shard_size,
+            activation_checkpointing_policy=set(activation_checkpointing) if activation_checkpointing else None,
         )
         driver = ZeRODriver(config)
         device = torch.device("cpu")

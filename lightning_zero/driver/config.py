@@ -20,6 +20,7 @@ from torch.nn import Module
 
 from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
 from lightning_zero.engine.comm.sequence import CollectiveChecks
+from lightning_zero.engine.schedule.recompute import check_policy
 from lightning_zero.engine.sharded_model import check_offload_params
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -189,6 +190,7 @@ class ZeROConfig:
     reshard_after_forward: bool = True
     shard_size: ShardSize = None
     start_method: StartMethod = "popen"
+    activation_checkpointing_policy: Any = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -209,7 +211,10 @@ class ZeROConfig:
         validate_overlap_options(self.stage, self.bucket_size_mb, self.prefetch, self.reshard_after_forward)
         check_offload_params(self.stage, self.offload_params)
         check_shard_size(self.shard_size)
+        check_policy(self.activation_checkpointing_policy)
+        policy = self.activation_checkpointing_policy
         resolved = {
+            "activation_checkpointing_policy": frozenset(policy) if isinstance(policy, (set, list, tuple)) else policy,
             "unit_modules": None if self.unit_modules is None else tuple(self.unit_modules),
             "param_dtype": parse_dtype("param_dtype", self.param_dtype),
             "reduce_dtype": parse_dtype("reduce_dtype", self.reduce_dtype),

@@ -55,6 +55,7 @@ from lightning_zero.engine.free_memory import kept_sharded_text
 from lightning_zero.engine.io.files import atomic_torch_save
 from lightning_zero.engine.meta.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
 from lightning_zero.engine.meta.materialize import has_meta_tensors
+from lightning_zero.engine.schedule.recompute import apply_activation_checkpointing
 from lightning_zero.engine.sharded_model import ShardedModel
 
 
@@ -137,6 +138,8 @@ class ZeRODriver:
         config = self.config
         comm = Comm(checks=config.collective_checks, control=self.control, stage=config.stage)
         agreement.agree_on_trainable_set(comm, module)
+        # Before the engine's hooks, so that the recomputation runs inside them (see [Note: activation checkpointing]).
+        apply_activation_checkpointing(module, config.activation_checkpointing_policy)
         self.sharded = ShardedModel(
             module,
             stage=config.stage,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, ClassVar, get_type_hints
 
@@ -139,6 +139,7 @@ class ZeROOptions:
         reshard_after_forward: bool = True,
         shard_size: ShardSize = None,
         start_method: StartMethod = "popen",
+        activation_checkpointing_policy: set[type[Module] | str] | Callable[..., bool] | None = None,
         **lightning_arguments: Any,
     ) -> None:
         self.driver = ZeRODriver(
@@ -162,6 +163,7 @@ class ZeROOptions:
                 reshard_after_forward=reshard_after_forward,
                 shard_size=shard_size,
                 start_method=start_method,
+                activation_checkpointing_policy=activation_checkpointing_policy,
             )
         )
         super().__init__(**lightning_arguments)
@@ -204,6 +206,7 @@ class ZeROOptions:
     reshard_after_forward = Option()
     shard_size = Option()
     start_method = Option()
+    activation_checkpointing_policy = Option()
 
 
 def _door_signature(cls: type) -> inspect.Signature:

@@ -1,0 +1,172 @@
+"""Activation checkpointing chosen by a policy: which submodules recompute their forward in backward.
+
+[Note: activation checkpointing]
+``activation_checkpointing_policy`` means what it means on Lightning's ``FSDPStrategy``: a set of module classes
+(or class names, for YAML configs), or a policy callable, either torch's FSDP kind (``ModuleWrapPolicy``,
+``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``, any ``fn(module, recurse,
+nonwrapped_numel)``) or a plain ``fn(module) -> bool``. Every submodule it selects, outermost first (nothing
+inside a selected module is selected again: it is recomputed with it), gets torch's composable non-reentrant
+checkpoint (``torch.distributed._composable.checkpoint``): its forward keeps none of its activations, only its
+inputs, and backward runs it again to rebuild them just before they are needed. Unlike Lightning's FSDP, which
+wraps each selected module in a ``CheckpointWrapper``, the module tree and every name stay as they were: state
+dicts, checkpoints of either format, unit names and Hugging Face exports are the same with or without it, and a
+run can resume with the policy changed.
+
+It is applied at setup, before the model is sharded, so its hooks run around the engine's: a unit's
+forward pre-hook gathers inside the checkpointed region, and the recomputation (which calls the module with
+its hooks) finds the unit gathered already. Under stage 3 the order in backward is: a unit's outputs receive
+their gradient, its pre-backward hook gathers it (the one gather of backward, prefetched as the first step
+recorded), autograd reaches the region's saved tensors, the forward runs again on the gathered parameters
+(``UnitPhase.PRE_BACKWARD``: the unit stays gathered, and no forward prefetch is issued, since the forward
+order's position is closed once backward starts), then the unit's backward, its reduction, and its release.
+So with a policy at unit granularity or finer (the default units are the repeated blocks, the classes a user
+names here) a unit is gathered twice per micro-batch, as without checkpointing, and each selected module runs
+its forward twice. A policy coarser than the units (one region over several units) recomputes them all at the
+region's first unpack, outside their backward: each is gathered a third time for that.
+
+The RNG state is restored for the recomputation (dropout draws the same mask), so a run with the policy
+matches DDP with the same modules checkpointed by hand bitwise, and one without checkpointing too where no
+random op runs. Memory: a selected module's activations live only during its own backward; the estimator and
+the dry run (``python -m lightning_zero dry-run --activation-checkpointing Block``) show the difference.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+ActivationCheckpointingPolicy = Any  # a set of classes or class names, or a policy callable (see the Note)
+
+
+def check_policy(policy: Any) -> None:
+    """Raise ``TypeError`` for what ``activation_checkpointing_policy`` cannot be, saying what it can."""
+    if policy is None or _is_fsdp_policy(policy) or (callable(policy) and not isinstance(policy, type)):
+        return
+    if isinstance(policy, (set, frozenset, list, tuple)) and policy:
+        for entry in policy:
+            if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, nn.Module))):
+                raise TypeError(
+                    f"activation_checkpointing_policy entries must be nn.Module subclasses or class names, got "
+                    f"{entry!r}"
+                )
+        return
+    raise TypeError(
+        f"activation_checkpointing_policy must be a set of module classes (or class names), or a policy callable, "
+        f"got {policy!r}; for example activation_checkpointing_policy={{Block}} or "
+        "activation_checkpointing_policy={'Block'}"
+    )
+
+
+def selected_modules(module: nn.Module, policy: Any) -> list[tuple[str, nn.Module]]:
+    """The submodules of ``module`` that ``policy`` selects (never ``module`` itself), outermost first and each
+    once: a module inside a selected one is recomputed with it and not selected again."""
+    if policy is None:
+        return []
+    choose = _chooser(module, policy)
+    chosen: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(prefix: str, parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if id(child) in seen:  # a module reused under two names: once
+                continue
+            seen.add(id(child))
+            path = f"{prefix}{name}"
+            if choose(child):
+                chosen.append((path, child))
+            else:
+                visit(f"{path}.", child)
+
+    visit("", module)
+    return chosen
+
+
+def apply_activation_checkpointing(module: nn.Module, policy: Any) -> list[str]:
+    """Give each submodule ``policy`` selects torch's composable non-reentrant checkpoint (see [Note: activation
+    checkpointing]); returns their names. A model that checkpoints some of its modules already (by hand,
+    ``gradient_checkpointing_enable()``, a ``CheckpointWrapper``) is left as it is, with a warning, as
+    Lightning's ``FSDPStrategy`` does.
+
+    Example::
+
+        names = apply_activation_checkpointing(model, {Block})   # ['blocks.0', 'blocks.1', ...]
+    """
+    if policy is None:
+        return []
+    from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.contract import _get_registry
+
+    chosen = selected_modules(module, policy)
+    if chosen and all("checkpoint" in (_get_registry(child) or {}) for _, child in chosen):
+        return [name for name, _ in chosen]  # applied by an earlier run of the same model
+    already = _already_checkpointed(module)
+    if already is not None:
+        warnings.warn(
+            f"activation_checkpointing_policy is set, but the model already checkpoints activations ({already}); "
+            "the policy is not applied. Remove one of the two.",
+            stacklevel=3,
+        )
+        return []
+    for _, child in chosen:
+        checkpoint(child)
+    return [name for name, _ in chosen]
+
+
+def _chooser(root: nn.Module, policy: Any) -> Callable[[nn.Module], bool]:
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        types = tuple(c for c in policy if isinstance(c, type))
+        names = {c for c in policy if isinstance(c, str)}
+
+        def by_class(module: nn.Module) -> bool:
+            cls = type(module)
+            return isinstance(module, types) or cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
+
+        return by_class
+    if _is_fsdp_policy(policy):
+        picked = {id(m) for m in policy._run_policy(root, set(), {})}
+        return lambda module: id(module) in picked
+    if _takes_fsdp_arguments(policy):
+        return lambda module: bool(
+            policy(module=module, recurse=False, nonwrapped_numel=sum(p.numel() for p in module.parameters()))
+        )
+    return lambda module: bool(policy(module))
+
+
+def _is_fsdp_policy(policy: Any) -> bool:
+    try:
+        from torch.distributed.fsdp.wrap import _Policy
+    except ImportError:  # pragma: no cover - torch without FSDP
+        return False
+    return isinstance(policy, _Policy)
+
+
+def _takes_fsdp_arguments(policy: Callable[..., Any]) -> bool:
+    """Whether ``policy`` is an FSDP auto-wrap callable (``module, recurse, nonwrapped_numel``)."""
+    try:
+        parameters = inspect.signature(policy).parameters
+    except (TypeError, ValueError):
+        return False
+    return "recurse" in parameters and "nonwrapped_numel" in parameters
+
+
+def _already_checkpointed(module: nn.Module) -> str | None:
+    """What in ``module`` checkpoints activations already, if anything (described)."""
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    for name, child in _named(module):
+        if isinstance(child, CheckpointWrapper):
+            return f"{name or 'the model'} is a CheckpointWrapper"
+        if "checkpoint" in (_get_registry(child) or {}):
+            return f"{name or 'the model'} has torch's composable checkpoint"
+        if getattr(child, "gradient_checkpointing", False) is True:
+            return f"{name or 'the model'} has gradient checkpointing enabled (gradient_checkpointing_enable())"
+    return None
+
+
+def _named(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
+    return module.named_modules()
