@@ -169,3 +169,17 @@ def test_capacity_ladder_counts_parameters_and_the_search_finds_the_boundary(mon
         assert best == rungs[boundary], (boundary, probed)
         assert boundary + 1 in probed and len(probed) == len(set(probed)) <= 12, (boundary, probed)
         assert [p["n_layer"] for p in probes] == sorted(p["n_layer"] for p in probes)
+
+
+def test_accumulation_benchmark_sends_a_quarter_and_keeps_ddp_losses(tmp_path: Path) -> None:
+    from benchmarks.accumulation import main
+
+    out = tmp_path / "accumulation.json"
+    systems = "ddp,zero2-sharded,zero2-local"
+    assert main(["--config", "tiny", "--steps", "1", "--repeats", "1", "--systems", systems, "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    sent = {s: rows[0]["reduce_scatter_bytes_per_step"] for s, rows in results.items()}
+    assert sent["ddp"] == 0 and sent["zero2-local"] * 4 <= sent["zero2-sharded"] * 1.05, sent
+    losses = {s: (rows[0]["first_loss"], rows[0]["last_loss"]) for s, rows in results.items()}
+    assert losses["zero2-local"] == losses["ddp"], losses  # DDP's order of sums: its bits
+    assert losses["zero2-sharded"] == pytest.approx(losses["ddp"], rel=1e-5), losses  # the accumulation bound

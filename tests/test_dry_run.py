@@ -63,14 +63,14 @@ def test_dry_run_follows_the_theory_at_2_8_and_64_ranks() -> None:
     ] + [{"strategy": "zero3", "world_size": 64, "shard_size": 8}]
     recomputed = [{"strategy": s, "world_size": 2, "activation_checkpointing": ["Block"]} for s in ("zero1", "zero3")]
     reports = _dry_runs(cases + recomputed)
-    # activation_checkpointing_policy={Block}: the same model state and traffic, fewer bytes allocated in the step
-    # (the blocks keep only their inputs for backward).
+    # activation_checkpointing_policy={Block}: the same model state and traffic, a lower peak in the step (the blocks
+    # keep only their inputs for backward; how much lower varies by some percent from run to run: see docs/memory.md).
     for case, report in zip(recomputed, reports[len(cases) :]):
         plain = reports[cases.index({"strategy": case["strategy"], "world_size": 2})]
         assert report["model_state_bytes"] == plain["model_state_bytes"], case
         assert report["bytes_sent_per_step"] == plain["bytes_sent_per_step"], case
-        saved, was = report["peak_step_bytes"]["step_allocations"], plain["peak_step_bytes"]["step_allocations"]
-        assert saved < 0.9 * was, (case, saved, was)
+        saved, was = report["peak_step_bytes"]["total"], plain["peak_step_bytes"]["total"]
+        assert saved < 0.95 * was, (case, saved, was)
     for case, report in zip(cases, reports):
         stage, world = int(case["strategy"][-1]), case["world_size"]
         shard = case.get("shard_size", world)

@@ -25,6 +25,7 @@ from lightning_zero.engine.sharded_model import check_offload_params
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 CheckpointFormat = Literal["full", "sharded"]
+Accumulate = Literal["sharded", "local"]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_FORMATS = ("full", "sharded")
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
@@ -143,6 +144,22 @@ def validate_overlap_options(stage: int, bucket_size_mb: Any, prefetch: Any, res
         )
 
 
+def resolve_accumulate(stage: int, accumulate: Any) -> Accumulate:
+    """``accumulate`` as the engine uses it: stage 1 always adds up full gradients locally (``"local"``); stages 2
+    and 3 reduce-scatter every micro-batch unless told ``"local"`` (see [Note: local accumulation] in
+    ``engine/schedule/grads.py``)."""
+    if accumulate is not None and accumulate not in ("sharded", "local"):
+        raise ValueError(f"accumulate must be 'sharded' or 'local' (or None: the stage's default), got {accumulate!r}")
+    if stage == 1:
+        if accumulate == "sharded":
+            raise ValueError(
+                "stage 1 keeps full gradients and reduce-scatters them once per optimizer step (what "
+                "accumulate='local' means); accumulate='sharded' needs ZeRO2Strategy or ZeRO3Strategy"
+            )
+        return "local"
+    return accumulate or "sharded"
+
+
 def default_bucket_size_mb(stage: int, unit_modules: Any, bucket_size_mb: float | None) -> float | None:
     """``bucket_size_mb`` as the strategies use it: 25 MB by default for stages 1 and 2 where the units are ours to
     choose (``unit_modules`` given means exactly those units), otherwise what was passed."""
@@ -191,6 +208,7 @@ class ZeROConfig:
     shard_size: ShardSize = None
     start_method: StartMethod = "popen"
     activation_checkpointing_policy: Any = None
+    accumulate: Accumulate | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -214,6 +232,7 @@ class ZeROConfig:
         check_policy(self.activation_checkpointing_policy)
         policy = self.activation_checkpointing_policy
         resolved = {
+            "accumulate": resolve_accumulate(self.stage, self.accumulate),
             "activation_checkpointing_policy": frozenset(policy) if isinstance(policy, (set, list, tuple)) else policy,
             "unit_modules": None if self.unit_modules is None else tuple(self.unit_modules),
             "param_dtype": parse_dtype("param_dtype", self.param_dtype),

@@ -154,6 +154,7 @@ class ZeRODriver:
             meta_init=trace,
             prefetch=config.prefetch,
             reshard_after_forward=config.reshard_after_forward,
+            accumulate=config.accumulate,
             bucket_numel=bucket_numel(config.bucket_size_mb, module),
             shard_size=shard_size,
         )

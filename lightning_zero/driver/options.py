@@ -21,7 +21,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.nn import Module
 
-from lightning_zero.driver.config import CheckpointFormat, NonFinitePolicy, StartMethod, ZeROConfig
+from lightning_zero.driver.config import Accumulate, CheckpointFormat, NonFinitePolicy, StartMethod, ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
 from lightning_zero.engine.comm.mesh import ShardSize
 from lightning_zero.engine.comm.sequence import CollectiveChecks
@@ -140,6 +140,7 @@ class ZeROOptions:
         shard_size: ShardSize = None,
         start_method: StartMethod = "popen",
         activation_checkpointing_policy: set[type[Module] | str] | Callable[..., bool] | None = None,
+        accumulate: Accumulate | None = None,
         **lightning_arguments: Any,
     ) -> None:
         self.driver = ZeRODriver(
@@ -164,6 +165,7 @@ class ZeROOptions:
                 shard_size=shard_size,
                 start_method=start_method,
                 activation_checkpointing_policy=activation_checkpointing_policy,
+                accumulate=accumulate,
             )
         )
         super().__init__(**lightning_arguments)
@@ -207,6 +209,7 @@ class ZeROOptions:
     shard_size = Option()
     start_method = Option()
     activation_checkpointing_policy = Option()
+    accumulate = Option()
 
 
 def _door_signature(cls: type) -> inspect.Signature:

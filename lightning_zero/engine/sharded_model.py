@@ -77,6 +77,11 @@ class ShardedModel:
     ``offload_optimizer``): the parameter shards in host memory too, copied to the device when their unit is
     gathered, so the device holds only the units in flight (see [Note: parameter offload] in ``unit.py``), e.g.
     ``ShardedModel(model, stage=3, comm=comm, offload_params=True)``.
+
+    ``accumulate`` (stages 2 and 3): ``"sharded"`` reduce-scatters every micro-batch, even inside ``no_sync()``;
+    ``"local"`` keeps the full gradients across the micro-batches run inside ``no_sync()`` and reduce-scatters
+    once, at the first backward outside it (see [Note: local accumulation] in ``grads.py``). Stage 1 always does
+    the latter.
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class ShardedModel:
         bucket_numel: int = 0,
         shard_size: ShardSize = None,
         offload_params: bool = False,
+        accumulate: str = "sharded",
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
@@ -194,7 +200,10 @@ class ShardedModel:
         self._sync_buffers()
 
         self.stage3: Stage3Hooks | None = None
-        self.reducer = GradReducer(self.units, reduce_every_micro_batch=stage >= 2, comm=comm)
+        if accumulate not in ("sharded", "local"):
+            raise ValueError(f"accumulate must be 'sharded' or 'local', got {accumulate!r}")
+        self.accumulate = "local" if stage == 1 else accumulate
+        self.reducer = GradReducer(self.units, reduce_every_micro_batch=self.accumulate == "sharded", comm=comm)
         if stage == 3:
             self.stage3 = Stage3Hooks(
                 self.units,

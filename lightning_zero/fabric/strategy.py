@@ -60,8 +60,10 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
     ``param_dtype``, ``reduce_dtype``, ``offload_optimizer``, ``offload_params`` (stage 3 only; implies
     ``offload_optimizer``), ``meta_init`` (what
     ``fabric.init_module()`` does), ``bucket_size_mb``, ``prefetch``, ``reshard_after_forward``,
-    ``shard_size`` (hybrid sharding: ``None``, a number of ranks per shard group, or ``"node"``) and
-    ``start_method``. ``accelerator``, ``parallel_devices``, ``cluster_environment``,
+    ``shard_size`` (hybrid sharding: ``None``, a number of ranks per shard group, or ``"node"``),
+    ``start_method``, ``activation_checkpointing_policy`` and ``accumulate`` (``"local"``: the micro-batches run
+    under ``fabric.no_backward_sync(model)`` add up full gradients and reduce once). ``accelerator``,
+    ``parallel_devices``, ``cluster_environment``,
     ``checkpoint_io`` and ``precision`` are normally left to ``Fabric``.
     """
 

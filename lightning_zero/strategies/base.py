@@ -134,6 +134,15 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         start_method: How Lightning starts processes when it launches them itself: ``"popen"``
             (re-runs the script, the default, as for ``DDPStrategy``), ``"spawn"``, ``"fork"``
             or ``"forkserver"``.
+        activation_checkpointing_policy: Recompute the activations of the selected modules in backward instead of
+            keeping them, as on Lightning's ``FSDPStrategy``: a set of module classes (or class names), one of
+            torch's FSDP policies (``ModuleWrapPolicy({Block})``), or ``fn(module) -> bool``. Every stage; names
+            and checkpoints unchanged. Example: ``ZeRO3Strategy(activation_checkpointing_policy={Block})``. See
+            ``docs/memory.md``.
+        accumulate: Stages 2 and 3 under ``accumulate_grad_batches``: ``"sharded"`` (default) reduce-scatters every
+            micro-batch into the sharded gradient; ``"local"`` adds up the full gradients on each rank and
+            reduce-scatters once per optimizer step, as DDP and stage 1 do (a k-th of the traffic, DDP's bits, the
+            full gradients' memory during the step). Stage 1 always accumulates locally and refuses ``"sharded"``.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             As for any Lightning ``ParallelStrategy``; normally left to the ``Trainer``.
     """

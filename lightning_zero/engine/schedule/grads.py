@@ -247,6 +247,11 @@ class GradReducer:
         def hook(_param: torch.Tensor) -> None:
             self.queue_finish()
             if not self.sync_enabled:
+                # See [Note: local accumulation]: nothing is reduced, but a unit done with is done with.
+                if self.after_unit_reduced is not None:
+                    self._ready[unit].add(index)
+                    if self._is_complete(unit):
+                        self.after_unit_reduced(unit)
                 return
             self._ready[unit].add(index)
             if not self.order_agreed and self._is_complete(unit) and unit not in self._completed:
@@ -313,7 +318,22 @@ class GradReducer:
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Keep gradients local (stage 1 accumulates full gradients; stages 2 and 3 ignore this)."""
+        """Keep gradients local: the backward passes inside add up full gradients on each rank (stage 1, and stages
+        2 and 3 with ``accumulate="local"``); with ``reduce_every_micro_batch`` (stages 2 and 3 by default) they are
+        reduced anyway.
+
+        [Note: local accumulation]
+        Under gradient accumulation, stages 2 and 3 reduce-scatter every micro-batch into the sharded gradient
+        (``accumulate="sharded"``): k reductions per optimizer step, and the full gradients of a unit live only
+        until its reduction. ``accumulate="local"`` trades that memory for the traffic, as DDP and stage 1 do:
+        inside ``no_sync`` (Lightning's ``block_backward_sync`` on every micro-batch but the last, Fabric's
+        ``no_backward_sync``), autograd adds each micro-batch's gradients into the parameters' full ``.grad``, and
+        the first backward outside it reduces the sum once; the same order of sums as DDP's, so DDP's bits. The
+        full gradients of every trainable parameter then live on each rank from the first micro-batch to that
+        reduction (``4Ψ`` bytes in fp32). Under stage 3 they are tensors of their own, not views of a unit's
+        buffer, so a unit is still freed as soon as its gradients are in: the gradient hooks count each unit's
+        parameters as in a reducing backward and call ``after_unit_reduced`` (which frees it) without reducing
+        anything; the parameters stay sharded between uses. Nothing here waits for the device."""
         previous = self.sync_enabled, self.no_sync_requested
         self.sync_enabled = self.reduce_every_micro_batch
         self.no_sync_requested = True
