@@ -113,3 +113,24 @@ def _cases(rank: int, world_size: int) -> None:
 
 def test_unshardable_parameters_are_refused_at_setup_and_empty_units_train_as_ddp() -> None:
     spawn(_cases, world_size=2, timeout=600)
+
+
+def test_checkpoint_io_plugins_the_strategies_would_never_call_are_refused_where_they_are_set() -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    import lightning_zero.fabric as zero_fabric
+
+    class Remote(TorchCheckpointIO):  # a user's plugin: another destination for the same files
+        pass
+
+    for make in (
+        lambda io: L.Trainer(strategy=ZeRO3Strategy(), plugins=[io], accelerator="cpu", devices=2, logger=False),
+        lambda io: ZeRO2Strategy(checkpoint_io=io),
+        lambda io: Fabric(strategy=zero_fabric.ZeRO1Strategy(), plugins=[io], accelerator="cpu", devices=2),
+    ):
+        with pytest.raises(ValueError, match="AsyncCheckpointIO is not supported by lightning_zero's strategies yet"):
+            make(AsyncCheckpointIO())
+        with pytest.raises(ValueError, match="the checkpoint_io plugin Remote would never be called"):
+            make(Remote())
+    # Lightning's default, given explicitly, is what the strategies do anyway.
+    assert type(ZeRO3Strategy(checkpoint_io=TorchCheckpointIO()).checkpoint_io) is TorchCheckpointIO

@@ -59,6 +59,31 @@ __all__ = [
 ]
 
 
+def check_checkpoint_io(io: Any) -> None:
+    """Refuse a ``checkpoint_io`` plugin the strategies would never call: they write and read checkpoints themselves
+    (every rank its own pieces, through the save protocol), so a plugin other than Lightning's default
+    ``TorchCheckpointIO`` would be silently ignored: an ``AsyncCheckpointIO`` would not make saves asynchronous, a
+    plugin for remote storage or encryption would not see the files. ``None`` (the default) passes."""
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    if io is None or type(io) is TorchCheckpointIO:
+        return
+    name = type(io).__name__
+    if name == "AsyncCheckpointIO":
+        raise ValueError(
+            "AsyncCheckpointIO is not supported by lightning_zero's strategies yet: they write checkpoints "
+            "themselves, every rank its own shards in parallel and crash-safe (docs/checkpoints.md), and would "
+            "never call the plugin, so saves would not be asynchronous. Remove the plugin; a save then blocks the "
+            "training loop for the time of its write."
+        )
+    raise ValueError(
+        f"the checkpoint_io plugin {name} would never be called: lightning_zero's strategies write and read "
+        "checkpoints themselves, every rank its own shards in parallel and crash-safe (docs/checkpoints.md). "
+        "Remove the plugin; to hand a checkpoint to your own code, consolidate it into one file with python -m "
+        "lightning_zero consolidate CHECKPOINT OUT.ckpt and process that file."
+    )
+
+
 def check_file_together(path: Path, rank: int, world_size: int, gather: Callable[[Any], list[Any]]) -> None:
     """Every rank checks its share of a full checkpoint file's checksums (``check_records``) and every rank raises
     the same ``CorruptCheckpointError`` if any share failed (``gather``: every rank's value, on every rank). A

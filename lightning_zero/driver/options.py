@@ -21,6 +21,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.nn import Module
 
+from lightning_zero.driver.checkpointing import check_checkpoint_io
 from lightning_zero.driver.config import Accumulate, CheckpointFormat, NonFinitePolicy, StartMethod, ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
 from lightning_zero.engine.comm.mesh import ShardSize
@@ -169,11 +170,28 @@ class ZeROOptions:
             )
         )
         super().__init__(**lightning_arguments)
+        check_checkpoint_io(getattr(self, "_checkpoint_io", None))  # passed as checkpoint_io=...
         self._num_nodes = 1
         self.init_door()
 
     def init_door(self) -> None:
         """The door's own state, set up at the end of construction."""
+
+    @property
+    def checkpoint_io(self) -> Any:
+        """Lightning's default ``TorchCheckpointIO``: the strategies write checkpoints themselves, and refuse any
+        other plugin when it is set (``Trainer(plugins=[...])``), rather than leave it unused (see
+        ``check_checkpoint_io``)."""
+        if self._checkpoint_io is None:
+            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+            self._checkpoint_io = TorchCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Any) -> None:
+        check_checkpoint_io(io)
+        self._checkpoint_io = io
 
     @property
     def sharded_model(self) -> ShardedModel:
