@@ -26,20 +26,19 @@ region's first unpack, outside their backward: each is gathered a third time for
 
 The RNG state is restored for the recomputation (dropout draws the same mask), so a run with the policy
 matches DDP with the same modules checkpointed by hand bitwise, and one without checkpointing too where no
-random op runs. Memory: a selected module's activations live only during its own backward; the estimator and
-the dry run (``python -m lightning_zero dry-run --activation-checkpointing Block``) show the difference.
+random op runs. Memory: a selected module's activations live only during its own backward; the dry run
+(``python -m lightning_zero dry-run --activation-checkpointing Block``) measures the difference (the estimator
+counts model states only).
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-
-ActivationCheckpointingPolicy = Any  # a set of classes or class names, or a policy callable (see the Note)
 
 
 def check_policy(policy: Any) -> None:
@@ -158,7 +157,7 @@ def _already_checkpointed(module: nn.Module) -> str | None:
     from torch.distributed._composable.contract import _get_registry
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    for name, child in _named(module):
+    for name, child in module.named_modules():
         if isinstance(child, CheckpointWrapper):
             return f"{name or 'the model'} is a CheckpointWrapper"
         if "checkpoint" in (_get_registry(child) or {}):
@@ -166,7 +165,3 @@ def _already_checkpointed(module: nn.Module) -> str | None:
         if getattr(child, "gradient_checkpointing", False) is True:
             return f"{name or 'the model'} has gradient checkpointing enabled (gradient_checkpointing_enable())"
     return None
-
-
-def _named(module: nn.Module) -> Iterable[tuple[str, nn.Module]]:
-    return module.named_modules()
