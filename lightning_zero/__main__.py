@@ -193,6 +193,12 @@ def _add_estimate_parser(commands: Any) -> None:
         "--largest-unit", type=_argument(parse_count), help="parameters of the largest unit (stage 3's gathers)"
     )
     estimate.add_argument("--prefetch", type=int, default=1, help="units stage 3 gathers ahead (default: 1)")
+    estimate.add_argument(
+        "--accumulate-grad-batches",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step: adds stages 2 and 3 with accumulate='local' (default: 1)",
+    )
     estimate.add_argument("--json", action="store_true", help="print JSON (a list when several --devices are given)")
 
 
@@ -219,6 +225,7 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 memory_per_device=args.memory,
                 prefetch=args.prefetch,
                 largest_unit_params=args.largest_unit,
+                accumulate_grad_batches=args.accumulate_grad_batches,
             )
             for devices in args.devices
         ]

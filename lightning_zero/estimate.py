@@ -200,7 +200,7 @@ class _Links(NamedTuple):
 
 
 def _ddp_row(counts: _Counts, setting: _Setting) -> StrategyEstimate:
-    d, world_size, _, links, memory = setting
+    d, world_size, links, memory = setting.d, setting.world_size, setting.links, setting.memory
     sent = 2 * counts.trainable * d.ddp * (world_size - 1) / world_size  # one ring all-reduce of the gradients
     device = StateBytes(counts.numel * d.ddp, counts.trainable * d.ddp, 0.0, counts.trainable * d.optimizer_states)
     spans = links.spans_nodes(world_size)
@@ -225,14 +225,24 @@ class _Setting(NamedTuple):
     prefetch: int
     links: _Links
     memory: float | None
+    micro_batches: int = 1  # accumulate_grad_batches: the micro-batches of one optimizer step
 
 
 def _zero_row(
-    stage: int, counts: _Counts, setting: _Setting, shard_size: int, offload: bool, offload_params: bool
+    stage: int,
+    counts: _Counts,
+    setting: _Setting,
+    shard_size: int,
+    offload: bool,
+    offload_params: bool,
+    accumulate: str = "sharded",
 ) -> StrategyEstimate:
     """One ZeRO row; ``counts`` laid out over ``shard_size`` ranks (see [Note: hybrid sharding] in
-    ``engine/comm/mesh.py`` and docs/multinode.md)."""
-    d, world_size, prefetch, links, memory = setting
+    ``engine/comm/mesh.py`` and docs/multinode.md). Bytes are per optimizer step, over its ``micro_batches``:
+    stage 3 gathers every unit twice per micro-batch, and stages 2 and 3 reduce-scatter every micro-batch unless
+    ``accumulate="local"`` (see [Note: local accumulation] in ``engine/schedule/grads.py``), which holds the full
+    gradients on the device instead, as stage 1 does."""
+    d, world_size, prefetch, links, memory, micro_batches = setting
     c, m, k = d.compute, d.master, d.optimizer_states
     offload = offload or offload_params
     separate = d.separate_master or offload
@@ -242,14 +252,15 @@ def _zero_row(
         params = 0.0
     else:  # the shard is the master, or is kept to save a host-to-device copy per gather (offload)
         params = counts.shard * c if offload or not separate else 0.0
-    full_grads = counts.trainable * c if stage == 1 else 0.0  # stage 1: full gradients through backward
+    local = stage == 1 or accumulate == "local"  # full gradients added up on the device until one reduction
+    full_grads = counts.trainable * c if local and (stage == 1 or micro_batches > 1) else 0.0
     grad_shard, master = counts.grad_shard * m, counts.shard * m if separate else 0.0
     if offload:
         device = StateBytes(params, full_grads, 0.0, 0.0)
         host_params = counts.shard * c if offload_params and d.separate_master else 0.0
         cpu = StateBytes(host_params, grad_shard, master, counts.state_shard * k)
-    else:  # stage 1 counts its peak, the full gradients, rather than the shards they become
-        device = StateBytes(params, full_grads if stage == 1 else grad_shard, master, counts.state_shard * k)
+    else:  # stage 1 (and local accumulation) counts its peak, the full gradients, rather than the shards
+        device = StateBytes(params, full_grads or grad_shard, master, counts.state_shard * k)
         cpu = StateBytes(0.0, 0.0, 0.0, 0.0)
     gathered = (
         (None if counts.gathered_numel(prefetch) is None else counts.gathered_numel(prefetch) * c)
@@ -258,14 +269,18 @@ def _zero_row(
     )
     # Inside each shard group: the reduce-scatter, and the all-gathers (stage 3: forward and backward; stages 1
     # and 2: the updated shards after the step). Across the groups: one all-reduce of each gradient shard.
-    gathers = 2 if stage == 3 else 1
+    gathers = 2 * micro_batches if stage == 3 else 1
+    reductions = 1 if local else micro_batches
     inside = (
-        (counts.trainable_padded * d.reduce + gathers * (counts.padded if stage == 3 else counts.trainable_padded) * c)
+        (
+            reductions * counts.trainable_padded * d.reduce
+            + gathers * (counts.padded if stage == 3 else counts.trainable_padded) * c
+        )
         * (shard_size - 1)
         / shard_size
     )
     replicas = world_size // shard_size
-    across = 2 * counts.grad_shard * d.reduce * (replicas - 1) / replicas
+    across = reductions * 2 * counts.grad_shard * d.reduce * (replicas - 1) / replicas
     seconds = links.seconds(shard_size, inside) + links.seconds(replicas, across, stride=shard_size)
     intra = (0.0 if links.spans_nodes(shard_size) else inside) + (
         0.0 if links.spans_nodes(replicas, shard_size) else across
@@ -274,7 +289,7 @@ def _zero_row(
     # offload_params the shard goes up at each gather instead of once after the step.
     host = 0.0
     if offload:
-        host = grad_shard + (gathers if offload_params else 1) * counts.shard * c
+        host = reductions * grad_shard + (gathers if offload_params else 1) * counts.shard * c
     return StrategyEstimate(
         f"zero{stage}",
         device,
@@ -290,6 +305,7 @@ def _zero_row(
         shard_size=shard_size,
         offload_optimizer=offload,
         offload_params=offload_params,
+        accumulate=accumulate if stage > 1 and micro_batches > 1 else None,
     )
 
 
@@ -298,6 +314,8 @@ def _rows(
 ) -> tuple[StrategyEstimate, ...]:
     ddp = _ddp_row(counts, setting)
     zero = [_zero_row(s, counts, setting, shard_size, offload, offload_params and s == 3) for s in (1, 2, 3)]
+    if setting.micro_batches > 1:  # both accumulation modes of stages 2 and 3, after the defaults
+        zero += [_zero_row(s, counts, setting, shard_size, offload, offload_params and s == 3, "local") for s in (2, 3)]
     return (ddp, *zero)
 
 
@@ -312,7 +330,9 @@ def _candidates(counts_for: Callable[[int], _Counts], setting: _Setting) -> list
         for size in sizes:
             for offload, offload_params in ((False, False), (True, False), (True, True)):
                 if not offload_params or stage == 3:
-                    rows.append(_zero_row(stage, counts_for(size), setting, size, offload, offload_params))
+                    for accumulate in ("sharded", "local") if stage > 1 and setting.micro_batches > 1 else ("sharded",):
+                        counts = counts_for(size)
+                        rows.append(_zero_row(stage, counts, setting, size, offload, offload_params, accumulate))
     return rows
 
 
@@ -351,6 +371,7 @@ def estimate_memory(
     intra_node_gbps: float | None = None,
     inter_node_gbps: float | None = None,
     pcie_gbps: float | None = None,
+    accumulate_grad_batches: int = 1,
 ) -> MemoryEstimate:
     """Predict per-device model-state memory and per-step communication of DDP and ZeRO stages 1-3.
 
@@ -379,6 +400,9 @@ def estimate_memory(
             units of the largest size (at most as many as there are units).
         largest_unit_params: for a bare count, the parameters of the largest unit (stage 3's gather
             buffers are then counted; without it they are not). A model's units are known exactly.
+        accumulate_grad_batches: micro-batches per optimizer step; bytes are per optimizer step. Above 1, stages 2
+            and 3 get a second row each with ``accumulate="local"`` (one reduce-scatter per step, the full
+            gradients held on the device), and the recommendation weighs both.
 
     Example::
 
@@ -396,7 +420,12 @@ def estimate_memory(
         precision = _PRECISION_ALIASES.get(str(precision), str(precision))
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    for name, value, least in (("devices", devices, 1), ("nodes", nodes, 1), ("prefetch", prefetch, 0)):
+    for name, value, least in (
+        ("devices", devices, 1),
+        ("nodes", nodes, 1),
+        ("prefetch", prefetch, 0),
+        ("accumulate_grad_batches", accumulate_grad_batches, 1),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
     if optimizer_state_bytes is not None and not optimizer_state_bytes >= 0:
@@ -471,7 +500,13 @@ def estimate_memory(
         )
     if world_size == 1:
         notes.append("one device: nothing is communicated and nothing is sharded")
-    setting = _Setting(d, world_size, prefetch, links, memory)
+    if accumulate_grad_batches > 1:
+        notes.append(
+            f"bytes are per optimizer step of {accumulate_grad_batches} micro-batches: stage 3 gathers every unit "
+            "twice per micro-batch; stages 2 and 3 reduce-scatter every micro-batch, or once per step with "
+            "accumulate='local' (the rows 'local accumulation'), which holds the full gradients meanwhile"
+        )
+    setting = _Setting(d, world_size, prefetch, links, memory, accumulate_grad_batches)
     rows = _rows(counts_for(shard), setting, shard, offload_optimizer, offload_params)
     if counts.gathered_numel(prefetch) is None:
         notes.append(
@@ -515,7 +550,7 @@ def _recommendation_text(
             f"the least transfer time ({transfer} per step, without overlap) of the options that fit, hybrid "
             "sharding included; offload only where nothing without it fits"
         )
-    stage3 = rows[-1]
+    stage3 = next(r for r in rows if r.strategy == "zero3" and r.accumulate != "local")
     text = (
         f"nothing fits in {format_bytes(memory)} per device, not even stage 3 with its parameters and optimizer "
         f"offloaded (--offload-params; stage 3 as configured needs {format_bytes(stage3.device_peak)})"

@@ -160,6 +160,7 @@ class StrategyEstimate:
     shard_size: int | None = None  # ranks per shard group (None: DDP, nothing sharded)
     offload_optimizer: bool = False
     offload_params: bool = False
+    accumulate: str | None = None  # stages 2 and 3 under gradient accumulation: "sharded" or "local"
 
     @property
     def stage(self) -> int | None:
@@ -167,7 +168,9 @@ class StrategyEstimate:
 
     @property
     def label(self) -> str:
-        return "DDP" if self.stage is None else f"stage {self.stage}"
+        if self.stage is None:
+            return "DDP"
+        return f"stage {self.stage}" + (", local accumulation" if self.accumulate == "local" else "")
 
     @property
     def transfer_seconds(self) -> float:
@@ -183,6 +186,8 @@ class StrategyEstimate:
             options["offload_optimizer"] = True
         if self.offload_params:
             options["offload_params"] = True
+        if self.accumulate == "local":
+            options["accumulate"] = "local"
         return options
 
     def describe(self, world_size: int) -> str:
@@ -267,6 +272,7 @@ class MemoryEstimate:
                 {
                     "strategy": r.strategy,
                     "stage": r.stage,
+                    "accumulate": r.accumulate,
                     "device": {**r.device._asdict(), "total": r.device.total},
                     "cpu": {**r.cpu._asdict(), "total": r.cpu.total},
                     "gathered": r.gathered,

@@ -389,3 +389,40 @@ def test_cli_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture
         main(["estimate", *argv])
     assert error.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_accumulation_rows_count_both_modes_per_optimizer_step_and_may_be_recommended() -> None:
+    one = estimate_memory("1B", devices=8)
+    four = estimate_memory("1B", devices=8, accumulate_grad_batches=4)
+    assert [(r.strategy, r.accumulate) for r in one.rows] == [
+        ("ddp", None),
+        ("zero1", None),
+        ("zero2", None),
+        ("zero3", None),
+    ]
+    rows = {(r.strategy, r.accumulate): r for r in four.rows}
+    assert list(rows) == [
+        ("ddp", None),
+        ("zero1", None),
+        ("zero2", "sharded"),
+        ("zero3", "sharded"),
+        ("zero2", "local"),
+        ("zero3", "local"),
+    ]
+    reduction = one.row("zero1").comm_bytes / 2  # fp32: stage 1's reduce-scatter sends what its all-gather sends
+    # Per optimizer step: DDP and stage 1 as without accumulation; stage 2 three reduce-scatters more than "local",
+    # which sends what stage 1 sends; stage 3 gathers each unit twice per micro-batch either way.
+    assert rows[("ddp", None)].comm_bytes == one.row("ddp").comm_bytes
+    assert rows[("zero2", "local")].comm_bytes == rows[("zero1", None)].comm_bytes == one.row("zero1").comm_bytes
+    assert rows[("zero2", "sharded")].comm_bytes == pytest.approx(rows[("zero2", "local")].comm_bytes + 3 * reduction)
+    assert rows[("zero3", "sharded")].comm_bytes == pytest.approx(rows[("zero3", "local")].comm_bytes + 3 * reduction)
+    assert rows[("zero3", "local")].comm_bytes == pytest.approx(one.row("zero3").comm_bytes + 6 * reduction)
+    # Memory: "local" holds the full gradients, as stage 1 does; "sharded" the shard.
+    assert rows[("zero3", "local")].device.grads == rows[("zero1", None)].device.grads == 4e9
+    assert rows[("zero3", "sharded")].device.grads == one.row("zero3").device.grads
+    # Where stage 3 with local accumulation fits and nothing faster does, it is the recommendation.
+    fitting = estimate_memory(
+        "7B", devices=8, precision="bf16-mixed", accumulate_grad_batches=4, memory_per_device="26GB"
+    )
+    assert fitting.recommended is not None and fitting.recommended.options(8) == {"accumulate": "local"}
+    assert "ZeRO3Strategy(accumulate='local')" in fitting.recommendation
