@@ -17,17 +17,38 @@ import torch
 from lightning.fabric.strategies import DDPStrategy as FabricDDP
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine.comm.comm import Comm
 from lightning_zero.engine.schedule.recompute import apply_activation_checkpointing, selected_modules
 from lightning_zero.fabric import ZeRO3Strategy as ZeRO3FabricStrategy
-from tests.block_net import BLOCKS, Block, BlockNet, assert_same, fabric_run, fit
+from tests.block_net import BLOCKS, WIDTH, Block, BlockNet, assert_same, fabric_run, fit
 from tests.distributed import spawn
 
 STEPS, ACCUMULATE = 3, 2
 STAGES = {"zero1": ZeRO1Strategy, "zero2": ZeRO2Strategy, "zero3": ZeRO3Strategy}
+
+
+class LateBlockNet(BlockNet):
+    """``BlockNet`` with its layers made in ``configure_model`` (dropout 0.1)."""
+
+    def __init__(self, by_hand: bool = False) -> None:
+        L.LightningModule.__init__(self)
+        self.by_hand, self.most_gathered = by_hand, 0
+        self.blocks: nn.ModuleList | None = None
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        self.embed = nn.Linear(8, WIDTH)
+        self.blocks = nn.ModuleList(Block(0.1) for _ in range(BLOCKS))
+        self.blocks[1].up.bias.requires_grad_(False)
+        self.head = nn.Linear(WIDTH, 1)
+        if self.by_hand:
+            for block in self.blocks:
+                checkpoint(block)
 
 
 @contextmanager
@@ -83,6 +104,13 @@ def _trainer_cases(rank: int, world_size: int) -> None:
     blocks = [f"blocks.{i}" for i in range(BLOCKS)]
     assert [counts[b] for b in blocks] == [without[b] for b in blocks], (counts, without)
     assert all(counts[b] <= 2 * micro_batches + 1 for b in blocks), counts
+    # Layers made in configure_model: stage 3 creates them already sharded from the meta device (meta_init), and
+    # the policy applies to them as to any.
+    L.seed_everything(0)
+    reference = fit(DDPStrategy(), LateBlockNet(by_hand=True), STEPS)
+    L.seed_everything(0)
+    got = fit(ZeRO3Strategy(unit_modules=[Block], activation_checkpointing_policy={Block}), LateBlockNet(), STEPS)
+    assert_same(got, reference, "zero3, layers made in configure_model: against DDP with them checkpointed by hand")
     # Class names (YAML configs) and FSDP's policy callables select the same modules.
     names = [name for name, _ in selected_modules(BlockNet(), {"Block"})]
     assert names == ["blocks.0", "blocks.1", "blocks.2"], names
