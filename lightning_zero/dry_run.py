@@ -226,7 +226,9 @@ def dry_run(
     memory and communication. ``target``: ``"FILE.py:CLASS"`` or ``"module:CLASS"`` (a ``LightningModule`` class,
     built with ``init_kwargs``, its model made in ``__init__`` or ``configure_model``), or a function returning one.
     The batch is the first of the module's ``train_dataloader()``; with ``batch_shape``, ``(x, y)``: two int64
-    tensors of that shape (token ids 0), as language models take. Needs a process without a process group."""
+    tensors of that shape (token ids 0), as language models take. ``activation_checkpointing``: module classes (or
+    names) whose forward is recomputed in backward (the strategies' ``activation_checkpointing_policy``). Needs a
+    process without a process group."""
     if precision not in DRY_RUN_PRECISIONS:
         raise ValueError(f"dry_run supports precision in {DRY_RUN_PRECISIONS}, got {precision!r}")
     if steps < 1:
