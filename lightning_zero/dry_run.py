@@ -252,7 +252,7 @@ def dry_run(
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
             shard_size=shard_size,
-            activation_checkpointing_policy=set(activation_checkpointing) if activation_checkpointing else None,
+            activation_checkpointing_policy=activation_checkpointing or None,
         )
         driver = ZeRODriver(config)
         device = torch.device("cpu")

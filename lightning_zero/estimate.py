@@ -253,7 +253,7 @@ def _zero_row(
     else:  # the shard is the master, or is kept to save a host-to-device copy per gather (offload)
         params = counts.shard * c if offload or not separate else 0.0
     local = stage == 1 or accumulate == "local"  # full gradients added up on the device until one reduction
-    full_grads = counts.trainable * c if local and (stage == 1 or micro_batches > 1) else 0.0
+    full_grads = counts.trainable * c if local else 0.0
     grad_shard, master = counts.grad_shard * m, counts.shard * m if separate else 0.0
     if offload:
         device = StateBytes(params, full_grads, 0.0, 0.0)
@@ -330,8 +330,8 @@ def _candidates(counts_for: Callable[[int], _Counts], setting: _Setting) -> list
         for size in sizes:
             for offload, offload_params in ((False, False), (True, False), (True, True)):
                 if not offload_params or stage == 3:
+                    counts = counts_for(size)
                     for accumulate in ("sharded", "local") if stage > 1 and setting.micro_batches > 1 else ("sharded",):
-                        counts = counts_for(size)
                         rows.append(_zero_row(stage, counts, setting, size, offload, offload_params, accumulate))
     return rows
 

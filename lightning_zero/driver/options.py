@@ -182,11 +182,7 @@ class ZeROOptions:
         """Lightning's default ``TorchCheckpointIO``: the strategies write checkpoints themselves, and refuse any
         other plugin when it is set (``Trainer(plugins=[...])``), rather than leave it unused (see
         ``check_checkpoint_io``)."""
-        if self._checkpoint_io is None:
-            from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-            self._checkpoint_io = TorchCheckpointIO()
-        return self._checkpoint_io
+        return super().checkpoint_io  # type: ignore[misc]
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:

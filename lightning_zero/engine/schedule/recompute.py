@@ -40,6 +40,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_zero.engine.core.grouping import module_class_policy
+
 
 def check_policy(policy: Any) -> None:
     """Raise ``TypeError`` for what ``activation_checkpointing_policy`` cannot be, saying what it can."""
@@ -116,15 +118,9 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> list[str]:
 
 
 def _chooser(root: nn.Module, policy: Any) -> Callable[[nn.Module], bool]:
-    if isinstance(policy, (set, frozenset, list, tuple)):
-        types = tuple(c for c in policy if isinstance(c, type))
-        names = {c for c in policy if isinstance(c, str)}
-
-        def by_class(module: nn.Module) -> bool:
-            cls = type(module)
-            return isinstance(module, types) or cls.__name__ in names or f"{cls.__module__}.{cls.__qualname__}" in names
-
-        return by_class
+    if isinstance(policy, (set, frozenset, list, tuple)):  # matched as unit_modules are
+        by_class = module_class_policy(list(policy))
+        return lambda module: by_class("", module)
     if _is_fsdp_policy(policy):
         picked = {id(m) for m in policy._run_policy(root, set(), {})}
         return lambda module: id(module) in picked
