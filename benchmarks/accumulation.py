@@ -18,10 +18,8 @@ Prints a markdown table and writes JSON (default ``benchmarks/results/<timestamp
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -30,10 +28,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.model import CONFIGS, BenchConfig, BenchGPT
+from benchmarks.results import write_results
 from benchmarks.trainer_mode import BARE_TRAINER
 
 SYSTEMS = ("ddp", "zero2-sharded", "zero2-local", "zero3-sharded", "zero3-local")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class Tokens(Dataset):
@@ -174,10 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {system} | {sent:.1f} | {seconds * 1e3:.0f} | {ratio} | {rows[-1]['first_loss']:.6f} | "
             f"{rows[-1]['last_loss']:.6f} |"
         )
-    out = Path(args.out) if args.out else RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-accumulation.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"options": vars(args), "results": results}, indent=2))
-    print(f"written: {out}")
+    write_results("accumulation", vars(args), results, args.out)
     return 0
 
 

@@ -212,3 +212,19 @@ def report_json(result: dict[str, Any], out: Path | None) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
     print(text)
+
+
+def write_results(name: str, options: dict[str, Any], results: Any, out: str | None) -> Path:
+    """``{"options": ..., "results": ...}`` as JSON to ``out``, or to ``benchmarks/results/<timestamp>-<name>.json``;
+    the path is printed and returned."""
+    import time
+
+    path = (
+        Path(out)
+        if out
+        else Path(__file__).resolve().parent / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"options": options, "results": results}, indent=2))
+    print(f"written: {path}")
+    return path

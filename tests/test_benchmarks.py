@@ -183,3 +183,18 @@ def test_accumulation_benchmark_sends_a_quarter_and_keeps_ddp_losses(tmp_path: P
     losses = {s: (rows[0]["first_loss"], rows[0]["last_loss"]) for s, rows in results.items()}
     assert losses["zero2-local"] == losses["ddp"], losses  # DDP's order of sums: its bits
     assert losses["zero2-sharded"] == pytest.approx(losses["ddp"], rel=1e-5), losses  # the accumulation bound
+
+
+def test_async_save_benchmark_times_both_modes_of_both_formats(tmp_path: Path) -> None:
+    from benchmarks.async_save import SYSTEMS, main
+
+    out = tmp_path / "async-save.json"
+    assert main(["--config", "tiny", "--repeats", "1", "--warmup", "2", "--after", "2", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert sorted(results) == sorted(SYSTEMS)
+    for system, rows in results.items():
+        row = rows[0]
+        assert row["checkpoint_bytes"] > 0 and row["blocked_s"] > 0, (system, row)
+        if system.startswith("async"):
+            assert row["blocked_s"] <= row["committed_s"], (system, row)
+        assert row["step_s_before"] > 0 and row["step_s_during"] > 0, (system, row)

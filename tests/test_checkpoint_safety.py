@@ -4,7 +4,8 @@
   ``consolidate`` alike: no payload runs, nothing outside the checkpoint is read, memory stays bounded,
   and shards of another save are refused;
 - a save killed at each point of its protocol resumes, through Lightning's own ``ckpt_path="last"``,
-  from the newest complete checkpoint, with DDP's losses;
+  from the newest complete checkpoint, with DDP's losses (saves written in the foreground, and in the
+  background with ``async_save``);
 - a save that fails on one rank (a write error, a full disk) fails on every rank, leaves nothing behind
   and the previous checkpoint intact;
 - two jobs saving one name into one directory delete none of each other's saves in progress.
@@ -53,8 +54,8 @@ def _model() -> ParityNet:
     return ParityNet(optimizer="adamw", scheduler="step")
 
 
-def _strategy(checkpoint_format: str) -> ZeRO3Strategy:
-    return ZeRO3Strategy(checkpoint_format=checkpoint_format)  # type: ignore[arg-type]
+def _strategy(checkpoint_format: str, asynchronous: bool = False) -> ZeRO3Strategy:
+    return ZeRO3Strategy(checkpoint_format=checkpoint_format, async_save=asynchronous)  # type: ignore[arg-type]
 
 
 class _SaveAtEnd(Callback):
@@ -387,6 +388,7 @@ class _KillDuringSecondSave(Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.current_epoch == 1:
+            trainer.strategy.finish_saves()  # a background save of epoch 0 must not meet the kill
             os.environ[KILL_AT] = f"{self.point}@last.ckpt"
             if self.change_format:
                 import lightning_zero.engine.io.files as files
@@ -395,13 +397,15 @@ class _KillDuringSecondSave(Callback):
                 files.exchange = lambda a, b: False  # as on a file system without RENAME_EXCHANGE
 
 
-def _train_and_die(rank: int, world_size: int, directory: str, checkpoint_format: str, point: str) -> None:
+def _train_and_die(
+    rank: int, world_size: int, directory: str, checkpoint_format: str, point: str, asynchronous: bool
+) -> None:
     torch.manual_seed(0)
     callbacks = [
         ModelCheckpoint(dirpath=directory, save_last=True),  # epoch=N-step=M.ckpt (top 1), then last.ckpt
         _KillDuringSecondSave(point, change_format=checkpoint_format == "full-then-sharded"),
     ]
-    strategy = _strategy("sharded" if checkpoint_format == "sharded" else "full")
+    strategy = _strategy("sharded" if checkpoint_format == "sharded" else "full", asynchronous)
     trainer = quiet_trainer(
         strategy=strategy, devices=world_size, max_epochs=3, enable_checkpointing=True, callbacks=callbacks
     )
@@ -452,10 +456,21 @@ def _resume_each(rank: int, world_size: int, root: str) -> dict[str, int]:
     return resumed_at
 
 
-def test_a_save_killed_at_any_point_resumes_from_the_newest_complete_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_a_save_killed_at_any_point_resumes_from_the_newest_complete_checkpoint(
+    tmp_path: Path, asynchronous: bool
+) -> None:
+    """Asynchronous: the save is killed in its background thread while the training thread runs on (see [Note:
+    asynchronous saves]); the resumed runs save synchronously."""
     for checkpoint_format, point, _ in KILLS:
         directory = tmp_path / f"{checkpoint_format}-{point}"
-        spawn_killed(_train_and_die, directory=str(directory), checkpoint_format=checkpoint_format, point=point)
+        spawn_killed(
+            _train_and_die,
+            directory=str(directory),
+            checkpoint_format=checkpoint_format,
+            point=point,
+            asynchronous=asynchronous,
+        )
         assert (directory / "last.ckpt").exists() == (point != "between-renames"), (checkpoint_format, point)
     resumed_at = spawn(_resume_each, world_size=2, timeout=600, root=str(tmp_path))[0]
     assert resumed_at == {f"{p}/{f}": e * STEPS_PER_EPOCH for f, p, e in KILLS}

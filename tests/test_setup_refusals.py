@@ -116,6 +116,8 @@ def test_unshardable_parameters_are_refused_at_setup_and_empty_units_train_as_dd
 
 
 def test_checkpoint_io_plugins_the_strategies_would_never_call_are_refused_where_they_are_set() -> None:
+    """``AsyncCheckpointIO()`` means ``async_save=True`` (see tests/test_async_save.py); a plugin the strategies would
+    never call, alone or inside ``AsyncCheckpointIO``, is refused wherever it is set."""
     from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
     import lightning_zero.fabric as zero_fabric
@@ -124,13 +126,18 @@ def test_checkpoint_io_plugins_the_strategies_would_never_call_are_refused_where
         pass
 
     for make in (
-        lambda io: L.Trainer(strategy=ZeRO3Strategy(), plugins=[io], accelerator="cpu", devices=2, logger=False),
+        lambda io: (
+            L.Trainer(strategy=ZeRO3Strategy(), plugins=[io], accelerator="cpu", devices=2, logger=False).strategy
+        ),
         lambda io: ZeRO2Strategy(checkpoint_io=io),
-        lambda io: Fabric(strategy=zero_fabric.ZeRO1Strategy(), plugins=[io], accelerator="cpu", devices=2),
+        lambda io: Fabric(strategy=zero_fabric.ZeRO1Strategy(), plugins=[io], accelerator="cpu", devices=2).strategy,
     ):
-        with pytest.raises(ValueError, match="AsyncCheckpointIO is not supported by lightning_zero's strategies yet"):
-            make(AsyncCheckpointIO())
+        assert make(AsyncCheckpointIO()).async_save is True
+        with pytest.raises(ValueError, match=r"AsyncCheckpointIO\(Remote\(...\)\) would never call Remote"):
+            make(AsyncCheckpointIO(Remote()))
         with pytest.raises(ValueError, match="the checkpoint_io plugin Remote would never be called"):
             make(Remote())
+    with pytest.raises(TypeError, match="async_save must be True or False"):
+        ZeRO3Strategy(async_save="yes")  # type: ignore[arg-type]
     # Lightning's default, given explicitly, is what the strategies do anyway.
     assert type(ZeRO3Strategy(checkpoint_io=TorchCheckpointIO()).checkpoint_io) is TorchCheckpointIO

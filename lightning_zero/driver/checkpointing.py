@@ -59,28 +59,33 @@ __all__ = [
 ]
 
 
-def check_checkpoint_io(io: Any) -> None:
-    """Refuse a ``checkpoint_io`` plugin the strategies would never call: they write and read checkpoints themselves
-    (every rank its own pieces, through the save protocol), so a plugin other than Lightning's default
-    ``TorchCheckpointIO`` would be silently ignored: an ``AsyncCheckpointIO`` would not make saves asynchronous, a
-    plugin for remote storage or encryption would not see the files. ``None`` (the default) passes."""
+def check_checkpoint_io(io: Any) -> bool:
+    """Whether the ``checkpoint_io`` plugin asks for asynchronous saves (Lightning's ``AsyncCheckpointIO`` around the
+    default writer: the strategies then save with ``async_save``); any plugin other than Lightning's default
+    ``TorchCheckpointIO`` is refused, since the strategies write and read checkpoints themselves (every rank its own
+    pieces, through the save protocol) and would never call it: a plugin for remote storage or encryption would
+    not see the files. ``None`` (the default) passes."""
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
     if io is None or type(io) is TorchCheckpointIO:
-        return
+        return False
     name = type(io).__name__
     if name == "AsyncCheckpointIO":
+        inner = getattr(io, "_checkpoint_io", None)  # the writer it wraps (Lightning sets its default one later)
+        if inner is None or type(inner) is TorchCheckpointIO:
+            return True
         raise ValueError(
-            "AsyncCheckpointIO is not supported by lightning_zero's strategies yet: they write checkpoints "
-            "themselves, every rank its own shards in parallel and crash-safe (docs/checkpoints.md), and would "
-            "never call the plugin, so saves would not be asynchronous. Remove the plugin; a save then blocks the "
-            "training loop for the time of its write."
+            f"AsyncCheckpointIO({type(inner).__name__}(...)) would never call {type(inner).__name__}: "
+            "lightning_zero's strategies write checkpoints themselves, every rank its own shards in parallel and "
+            "crash-safe (docs/checkpoints.md). Use AsyncCheckpointIO() alone (or async_save=True) for "
+            "asynchronous saves."
         )
     raise ValueError(
         f"the checkpoint_io plugin {name} would never be called: lightning_zero's strategies write and read "
         "checkpoints themselves, every rank its own shards in parallel and crash-safe (docs/checkpoints.md). "
-        "Remove the plugin; to hand a checkpoint to your own code, consolidate it into one file with python -m "
-        "lightning_zero consolidate CHECKPOINT OUT.ckpt and process that file."
+        "Remove the plugin (for asynchronous saves, use AsyncCheckpointIO() or async_save=True); to hand a "
+        "checkpoint to your own code, consolidate it into one file with python -m lightning_zero consolidate "
+        "CHECKPOINT OUT.ckpt and process that file."
     )
 
 

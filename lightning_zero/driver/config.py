@@ -209,10 +209,13 @@ class ZeROConfig:
     start_method: StartMethod = "popen"
     activation_checkpointing_policy: Any = None
     accumulate: Accumulate | None = None
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
+        if not isinstance(self.async_save, bool):
+            raise TypeError(f"async_save must be True or False, got {self.async_save!r}")
         validate_options(
             unit_modules=self.unit_modules,
             broadcast_buffers=self.broadcast_buffers,

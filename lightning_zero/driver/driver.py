@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 from lightning_zero.driver import agreement
 from lightning_zero.driver.config import ZeROConfig, bucket_numel
 from lightning_zero.driver.failures import RAISED_ON_EVERY_RANK, explain_peer_failure, peer_went_away
+from lightning_zero.engine.checkpoint.background import BackgroundSaves, stage_on_host
 from lightning_zero.engine.checkpoint.hf_export import write_hf_checkpoint
 from lightning_zero.engine.checkpoint.saving import Ranks, save_full, save_sharded_directory
 from lightning_zero.engine.checkpoint.sharded import checkpoint_meta, plain_module_checkpoint
@@ -51,6 +52,7 @@ from lightning_zero.engine.comm.comm import Comm
 from lightning_zero.engine.comm.control import ControlChannel, PeerFailureError, abort_if_broken
 from lightning_zero.engine.comm.process_exit import destroy_at_exit, mark_failed
 from lightning_zero.engine.core.grouping import module_class_policy
+from lightning_zero.engine.errors import CheckpointSaveError
 from lightning_zero.engine.free_memory import kept_sharded_text
 from lightning_zero.engine.io.files import atomic_torch_save
 from lightning_zero.engine.meta.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
@@ -79,6 +81,7 @@ class ZeRODriver:
         self.failed = False
         self._handled: BaseException | None = None  # the exception on_exception last handled
         self._mesh: DeviceMesh | None = None
+        self.saves = BackgroundSaves()  # see [Note: asynchronous saves] in engine/checkpoint/background.py
 
     # ------------------------------------------------------------------ processes
     def connect(self, cluster_environment: ClusterEnvironment, device: torch.device) -> None:
@@ -192,6 +195,14 @@ class ZeRODriver:
             assert self.sharded is not None
             abort_if_broken(self.sharded.comm)
         explain_peer_failure(exception)
+        self._finish_save_after_failure()
+
+    def _finish_save_after_failure(self) -> None:
+        """A failure waits for the save in flight (bounded by the group's timeout); what went wrong with it is
+        warned about, the failure that ended the run being the one raised."""
+        problem = self.saves.wait_after_failure(self.config.timeout.total_seconds())
+        if problem is not None:
+            rank_zero_warn(str(problem))
 
     def teardown(self, describe_end: Callable[[], str], fabric: bool = False) -> bool:
         """End the run: every rank agrees it is at the end (unless it failed), the module gets its full parameters
@@ -199,6 +210,15 @@ class ZeRODriver:
         model stays sharded (its full parameters would not fit: see [Note: what fits at the end] in
         ``engine/free_memory.py``; rank 0 is warned)."""
         kept = False
+        save_error: BaseException | None = None
+        if self.failed:
+            self._finish_save_after_failure()
+        else:
+            try:
+                self.saves.wait()  # raised after the teardown is done: every rank raises it
+            except CheckpointSaveError as error:
+                save_error = error
+        self.saves.close()
         if self.sharded is not None:
             if not self.failed:
                 self.sharded.comm.agree_event("teardown", describe_end)
@@ -213,6 +233,8 @@ class ZeRODriver:
             self.control = None
         self.failed = False
         self._handled = None
+        if save_error is not None:
+            raise save_error
         return kept
 
     # ------------------------------------------------------------------ collectives Lightning and user code ask for
@@ -253,15 +275,41 @@ class ZeRODriver:
         flat: dict[str, Any] = dict(shards.get("state_dict", {}))
         for optimizer_state in shards.get("optimizer_states", []):
             flat.update(optimizer_state)
-        save_sharded_directory(self.ranks(), flat, meta, zero_meta, path)
+        state = {"shards": flat, "meta": meta, "zero_meta": zero_meta}
+        self._save(
+            path,
+            state,
+            lambda ranks, s: save_sharded_directory(ranks, s["shards"], s["meta"], s["zero_meta"], path),
+            in_background=whole_module is None,
+        )
 
     def save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
         """One ordinary ``torch.save`` file through the save protocol: every rank writes the ``FlatPiece``s it
         holds into it; a file without pieces is written by rank 0 alone."""
         if self.sharded is not None:
-            save_full(self.ranks(), checkpoint, path)
-        elif self.ranks().is_zero:
-            atomic_torch_save(checkpoint, path)
+            self._save(path, checkpoint, lambda ranks, state: save_full(ranks, state, path), in_background=True)
+        else:
+            self.saves.wait()
+            if self.ranks().is_zero:
+                atomic_torch_save(checkpoint, path)
+
+    def _save(self, path: Path, state: Any, write: Callable[[Ranks, Any], None], in_background: bool) -> None:
+        """``write(ranks, state)`` now, or (``async_save``, during a run) on a copy of ``state`` staged in host memory
+        and written in the background (see [Note: asynchronous saves] in ``engine/checkpoint/background.py``).
+        Either way the previous background save is finished first."""
+        saves = self.saves
+        if not (self.config.async_save and in_background):
+            saves.wait()
+            write(self.ranks(), state)
+            return
+        ranks = saves.prepare(self.config.timeout)
+        staged = stage_on_host(state, saves.pinned, saves.cpu_mesh)
+        saves.start(path, lambda background: write(background, staged.state), staged, ranks)
+
+    def finish_saves(self, path: Path | None = None) -> None:
+        """Wait for the save in flight (only if it writes ``path``, when given) and raise what it raised."""
+        if path is None or self.saves.writing(path):
+            self.saves.wait()
 
     def save_pretrained(self, root: Module, module: Module, path: str | Path, barrier: Callable[[], None]) -> None:
         """``module`` (part of ``root``) as a Hugging Face checkpoint directory, every rank writing its share (see

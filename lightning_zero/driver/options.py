@@ -142,6 +142,7 @@ class ZeROOptions:
         start_method: StartMethod = "popen",
         activation_checkpointing_policy: set[type[Module] | str] | Callable[..., bool] | None = None,
         accumulate: Accumulate | None = None,
+        async_save: bool = False,
         **lightning_arguments: Any,
     ) -> None:
         self.driver = ZeRODriver(
@@ -167,10 +168,12 @@ class ZeROOptions:
                 start_method=start_method,
                 activation_checkpointing_policy=activation_checkpointing_policy,
                 accumulate=accumulate,
+                async_save=async_save,
             )
         )
         super().__init__(**lightning_arguments)
-        check_checkpoint_io(getattr(self, "_checkpoint_io", None))  # passed as checkpoint_io=...
+        if check_checkpoint_io(getattr(self, "_checkpoint_io", None)):  # passed as checkpoint_io=...
+            self.config = self.config.replace(async_save=True)
         self._num_nodes = 1
         self.init_door()
 
@@ -179,14 +182,15 @@ class ZeROOptions:
 
     @property
     def checkpoint_io(self) -> Any:
-        """Lightning's default ``TorchCheckpointIO``: the strategies write checkpoints themselves, and refuse any
-        other plugin when it is set (``Trainer(plugins=[...])``), rather than leave it unused (see
-        ``check_checkpoint_io``)."""
+        """Lightning's default ``TorchCheckpointIO``, or the ``AsyncCheckpointIO`` that was set: the strategies write
+        checkpoints themselves; ``AsyncCheckpointIO`` turns ``async_save`` on, and any other plugin is refused when
+        it is set (``Trainer(plugins=[...])``), rather than left unused (see ``check_checkpoint_io``)."""
         return super().checkpoint_io  # type: ignore[misc]
 
     @checkpoint_io.setter
     def checkpoint_io(self, io: Any) -> None:
-        check_checkpoint_io(io)
+        if check_checkpoint_io(io):
+            self.config = self.config.replace(async_save=True)
         self._checkpoint_io = io
 
     @property
@@ -224,6 +228,7 @@ class ZeROOptions:
     start_method = Option()
     activation_checkpointing_policy = Option()
     accumulate = Option()
+    async_save = Option()
 
 
 def _door_signature(cls: type) -> inspect.Signature:

@@ -334,8 +334,22 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         """``fabric.load``: either format, written at any world size under any stage, into the shards; the
         entries not restored into ``state`` are returned."""
         with self._reporting_failures():
+            self.driver.finish_saves()  # it may be the checkpoint being written
             target = Path(self.broadcast(str(path)))
             return checkpoint.load_state(self.driver, lambda: self.device_mesh, target, state, strict, weights_only)
+
+    def finish_saves(self) -> None:
+        """Wait for the checkpoint being written in the background (``async_save=True``) and raise what its save
+        raised; call on every rank. The next ``fabric.save``, ``fabric.load``, ``teardown`` and the end of the
+        function given to ``fabric.launch`` wait by themselves.
+
+        Example::
+
+            fabric.save("state.ckpt", {"model": model, "optimizer": optimizer})
+            fabric.strategy.finish_saves()  # state.ckpt is complete from here on
+        """
+        with self._reporting_failures():
+            self.driver.finish_saves()
 
     # ------------------------------------------------------------------ collectives for user code
     @override
@@ -382,7 +396,9 @@ class _ReportingSubprocessScriptLauncher(_SubprocessScriptLauncher):
 
 def _run_reporting_failures(strategy: ZeROFabricStrategy, function: Callable, *args: Any, **kwargs: Any) -> Any:
     try:
-        return function(*args, **kwargs)
+        result = function(*args, **kwargs)
+        strategy.driver.finish_saves()  # a checkpoint still being written is complete when the function returns
+        return result
     except BaseException as error:
         strategy.on_exception(error)
         raise

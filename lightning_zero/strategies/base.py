@@ -567,6 +567,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self.driver.finish_saves()  # it may be the checkpoint being written
         path = Path(self.broadcast(str(checkpoint_path)))
         driver = self.driver
         if driver.sharded is None:
@@ -587,8 +588,21 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
+        self.driver.finish_saves(Path(filepath))  # a save of that path in the background: done first, every rank
         if self.is_global_zero:
             remove_checkpoint(Path(filepath))
+
+    def finish_saves(self) -> None:
+        """Wait for the checkpoint being written in the background (``async_save=True`` or ``AsyncCheckpointIO``) and
+        raise what its save raised; nothing to do without one. Call on every rank. The next save, loading a
+        checkpoint and the end of the run wait by themselves.
+
+        Example::
+
+            trainer.save_checkpoint("model.ckpt")
+            trainer.strategy.finish_saves()  # model.ckpt is complete from here on
+        """
+        self.driver.finish_saves()
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override

@@ -84,6 +84,7 @@ class Ranks:
     rank: int
     world_size: int
     broadcast: Callable[[Any], Any]
+    group: Any = None  # the process group of the save's other collectives (None: the default group)
 
     @property
     def is_zero(self) -> bool:
@@ -108,7 +109,7 @@ def gather_from_every_rank(ranks: Ranks, value: Any) -> list[Any]:
     if not dist.is_available() or not dist.is_initialized() or ranks.world_size == 1:
         return [value]
     values: list[Any] = [None] * ranks.world_size
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=ranks.group)
     return values
 
 
@@ -192,7 +193,7 @@ def save_full(ranks: Ranks, checkpoint: dict[str, Any], path: Path) -> None:
         except (Exception, CheckpointException) as err:
             error = err
         _raise_if_failed(path, gather_from_every_rank(ranks, _describe(error, ranks.rank)), needed)
-        every_rank = gather_to_zero(checksums)
+        every_rank = gather_to_zero(checksums, ranks.group)
         if rank0:
             assert skeleton is not None
             try:
@@ -256,12 +257,12 @@ def save_sharded_directory(
         _raise_if_failed(path, [made], needed)
         mine: dict[str, int] = {}
         try:
-            mine = save_sharded(shards, directory, token, ranks.rank)
+            mine = save_sharded(shards, directory, token, ranks.rank, ranks.group)
             crash_point("partial", path)
         except (Exception, CheckpointException) as err:
             error = err
         _raise_if_failed(path, gather_from_every_rank(ranks, _describe(error, ranks.rank)), needed)
-        checksums = gather_checksums(mine)
+        checksums = gather_checksums(mine, ranks.group)
         if rank0:
             try:
                 record = {**meta, "lightning_zero": {**zero_meta, "save_id": token, CHECKSUMS_KEY: checksums}}

@@ -246,11 +246,16 @@ def plain_module_checkpoint(
     return converted, _meta(module, names, optimizers, lambda held: held)
 
 
-def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int) -> dict[str, int]:
-    """Every rank writes its pieces of ``state``, and the save's identity, into ``directory`` (a collective); the
-    checksums of the entries this rank wrote (see [Note: shard checksums] in ``engine/io/checksums.py``)."""
+def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int, group: Any = None) -> dict[str, int]:
+    """Every rank writes its pieces of ``state``, and the save's identity, into ``directory`` (a collective over
+    ``group``, the default group if ``None``); the checksums of the entries this rank wrote (see [Note: shard
+    checksums] in ``engine/io/checksums.py``)."""
     identity = torch.tensor(list(save_id.encode()), dtype=torch.uint8)
-    metadata = dcp.save({**state, f"{SAVE_ID_PREFIX}{rank}": identity}, storage_writer=dcp.FileSystemWriter(directory))
+    metadata = dcp.save(
+        {**state, f"{SAVE_ID_PREFIX}{rank}": identity},
+        storage_writer=dcp.FileSystemWriter(directory),
+        process_group=group,
+    )
     mine = [entry for entry in stored_entries(metadata) if entry.file.startswith(f"__{rank}_")]
     return entry_checksums(directory, mine)
 
@@ -346,19 +351,20 @@ def _dcp_load(state: dict[str, Any], reader: SafeFileSystemReader, **kwargs: Any
         raise CorruptCheckpointError(f"{str(reader.path)!r} could not be read, nothing was loaded: {err}") from err
 
 
-def gather_to_zero(value: Any) -> list[Any]:
-    """Every rank's ``value`` on rank 0 of the default process group, an empty list elsewhere (a collective): for
-    what only rank 0 writes, such as checksums, which need not travel to every rank."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+def gather_to_zero(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` on rank 0 of ``group`` (every rank, in order; the default group if ``None``), an empty
+    list elsewhere (a collective): for what only rank 0 writes, such as checksums, which need not travel to every
+    rank."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1):
         return [value]
-    everyone: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(value, everyone, dst=0)
+    everyone: list[Any] | None = [None] * dist.get_world_size(group) if dist.get_rank(group) == 0 else None
+    dist.gather_object(value, everyone, dst=0, group=group)
     return everyone or []
 
 
-def gather_checksums(mine: dict[str, int]) -> dict[str, int]:
-    """Every rank's entry checksums, joined on rank 0 (an empty table elsewhere; a collective)."""
-    return {key: crc for table in gather_to_zero(mine) for key, crc in table.items()}
+def gather_checksums(mine: dict[str, int], group: Any = None) -> dict[str, int]:
+    """Every rank's entry checksums, joined on rank 0 (an empty table elsewhere; a collective over ``group``)."""
+    return {key: crc for table in gather_to_zero(mine, group) for key, crc in table.items()}
 
 
 def load_sharded(

@@ -1,0 +1,289 @@
+"""Asynchronous saves: the checkpoint staged in host memory while training waits, written by a thread while it runs.
+
+[Note: asynchronous saves]
+With ``async_save=True`` (or Lightning's ``AsyncCheckpointIO`` plugin), a save returns as soon as this rank's
+pieces are copied; the save protocol (see [Note: save protocol] in ``saving.py``) then runs, unchanged, in a
+thread, and training goes on:
+
+- *Staging.* ``stage_on_host`` copies every tensor of the checkpoint (this rank's shards of the parameters
+  and optimizer states, buffers, scalar states) and rebuilds every container (dicts, lists, tuples) around
+  the copies, in the training thread, at the save's point of the step: the next optimizer step updates the
+  shards in place, and Lightning's callbacks keep mutating the dicts their ``state_dict`` returned
+  (``ModelCheckpoint.best_k_models``). Other objects (numbers, strings, hyper-parameters) are shared, as
+  Lightning's ``AsyncCheckpointIO`` shares them. A tensor's identity is kept: a piece saved under two tied
+  names is copied once and written once. On the CPU a copy is a ``clone``, freed when the write is done. A
+  CUDA tensor is copied into a pinned host buffer with ``non_blocking=True`` on the current stream, and an
+  event recorded after the copies; the host does not wait: kernels queued later on that stream (the next
+  step's optimizer update of the same shards) run after the copies, by stream order, so nothing is
+  overwritten before it is copied, and the thread waits for the event before it reads a byte. The pinned
+  buffers are kept for the next save of the same shapes (pinning is slow: ``cudaHostAlloc`` maps and locks
+  pages), so a run that saves asynchronously holds one extra host copy of its shards, the size of this
+  rank's part of the checkpoint. The copies occupy the copy engine for bytes / PCIe bandwidth (about
+  1.3 GB at 25 GB/s is 50 ms) ahead of the next step's kernels; a side stream would hide that too, but
+  the optimizer step would then have to wait for it, and that wait is not built.
+- *The thread's collectives.* The protocol's exchanges (the temporary name, the failure reports, the
+  checksums, DCP's plans) run on a gloo group of their own, created at the first asynchronous save (every
+  rank is in the save, agreed: see ``agree_event``): on the training group they would interleave with the
+  step's collectives in an order no two ranks share. DCP's pieces are rebuilt on a CPU mesh of that group.
+- *One save in flight.* The next save waits for the previous one first (the staging buffers are reused, and
+  two commits to one name must not race), and so do ``remove_checkpoint`` of the path being written,
+  loading a checkpoint, ``teardown`` and a failure (``wait_after_failure``, bounded by the process group's
+  timeout). What the protocol raises in the thread (``CheckpointSaveError``, the same on every rank) is
+  raised again by the next wait, on every rank at the same point, so a failed background save is never
+  silent. A crash before the commit leaves the previous checkpoint as it was: the thread runs the same
+  protocol and the same crash points as a synchronous save.
+- The thread is not a daemon: an interpreter that reaches its end with a save in flight finishes the save
+  before it exits (a Fabric script that ends right after ``fabric.save``).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+from lightning_zero.engine.checkpoint.saving import Ranks
+from lightning_zero.engine.errors import CheckpointSaveError
+from lightning_zero.engine.io.torch_file import FlatPiece
+
+
+@dataclass
+class PinnedBuffers:
+    """Pinned host buffers for the CUDA tensors of a save, by their order in the checkpoint: reused by the next save
+    whose tensor at that position has the same shape and dtype (see [Note: asynchronous saves])."""
+
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+    def take(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        if index < len(self.buffers):
+            buffer = self.buffers[index]
+            if buffer.shape == like.shape and buffer.dtype == like.dtype:
+                return buffer
+        buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        if index < len(self.buffers):
+            self.buffers[index] = buffer
+        else:
+            self.buffers.append(buffer)
+        return buffer
+
+
+class Staged:
+    """A checkpoint staged in host memory (``stage_on_host``): ``state``, readable once ``ready()`` returned."""
+
+    def __init__(self, state: Any, events: list[Any]) -> None:
+        self.state = state
+        self._events = events
+
+    def ready(self) -> None:
+        """Wait for the device-to-host copies (nothing to wait for on the CPU)."""
+        for event in self._events:
+            event.synchronize()
+
+
+def stage_on_host(obj: Any, pinned: PinnedBuffers, cpu_mesh: Callable[[], DeviceMesh] | None = None) -> Staged:
+    """A copy of the checkpoint ``obj`` whose tensors are host copies and whose containers are new, taken now (see
+    [Note: asynchronous saves]). ``cpu_mesh``: the mesh DTensor pieces of device tensors are rebuilt on.
+
+    Example::
+
+        staged = stage_on_host({"w": torch.ones(2)}, PinnedBuffers())
+        staged.ready()
+        assert staged.state["w"].sum() == 2
+    """
+    memo: dict[int, Any] = {}
+    devices: set[torch.device] = set()
+    counter = [0]
+
+    def host(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        buffer = pinned.take(counter[0], tensor)
+        counter[0] += 1
+        buffer.copy_(tensor, non_blocking=True)
+        devices.add(tensor.device)
+        return buffer
+
+    def mesh_for(piece: DTensor) -> DeviceMesh:
+        if piece.device_mesh.device_type == "cpu":
+            return piece.device_mesh
+        if cpu_mesh is None or piece.device_mesh.ndim != 1:
+            raise TypeError(
+                f"a DTensor on a {piece.device_mesh.ndim}-D {piece.device_mesh.device_type} mesh cannot "
+                "be staged for an asynchronous save"
+            )
+        return cpu_mesh()
+
+    def stage(item: Any) -> Any:
+        if id(item) in memo:
+            return memo[id(item)]
+        if isinstance(item, FlatPiece):
+            result: Any = FlatPiece(item.key, item.shape, item.dtype, host(item.local), item.offset)
+        elif isinstance(item, DTensor):
+            local = item.to_local()
+            if isinstance(local, LocalShardsWrapper):
+                local = LocalShardsWrapper([host(t) for t in local.local_shards()], list(local.local_offsets()))
+            else:
+                local = host(local)
+            result = DTensor.from_local(
+                local, mesh_for(item), item.placements, run_check=False, shape=item.shape, stride=item.stride()
+            )
+        elif isinstance(item, torch.Tensor):
+            result = host(item)
+        elif isinstance(item, dict):
+            result = copy.copy(item)  # keeps the type and attributes (a state dict's _metadata)
+            for key, value in item.items():
+                result[key] = stage(value)
+        elif isinstance(item, list):
+            result = [stage(value) for value in item]
+        elif isinstance(item, tuple):
+            values = [stage(value) for value in item]
+            result = type(item)(*values) if hasattr(item, "_fields") else type(item)(values)
+        else:
+            return item
+        memo[id(item)] = result
+        return result
+
+    state = stage(obj)
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    return Staged(state, events)
+
+
+class BackgroundSaves:
+    """At most one save in flight, written by a thread over a process group of its own (see [Note: asynchronous
+    saves]). Held by the driver; ``wait`` at every point that needs the save done.
+
+    Example::
+
+        saves = BackgroundSaves()
+        staged = stage_on_host(checkpoint, saves.pinned)
+        saves.start(path, lambda ranks: save_full(ranks, staged.state, path), staged, timeout)
+        ...
+        saves.wait()  # raises what the save raised
+    """
+
+    def __init__(self) -> None:
+        self.pinned = PinnedBuffers()
+        self._thread: threading.Thread | None = None
+        self._path: Path | None = None
+        self._error: BaseException | None = None
+        self._group: Any = None
+        self._mesh: DeviceMesh | None = None
+
+    # ------------------------------------------------------------------ the thread's ranks
+    def _ranks(self, timeout: timedelta) -> Ranks:
+        """The ranks of a background save: every rank, on the save group (made on the first call: a collective)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return Ranks(0, 1, lambda obj: obj)
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+        group = self._group
+
+        def broadcast(obj: Any) -> Any:
+            objects = [obj]
+            dist.broadcast_object_list(objects, src=0, group=group)
+            return objects[0]
+
+        return Ranks(dist.get_rank(), dist.get_world_size(), broadcast, group)
+
+    def cpu_mesh(self) -> DeviceMesh:
+        """A 1-D CPU mesh over the save group, for DCP's pieces of device tensors staged on the host."""
+        if self._mesh is None:
+            assert self._group is not None, "cpu_mesh() after the save group exists (start or prepare)"
+            self._mesh = DeviceMesh.from_group(self._group, "cpu")
+        return self._mesh
+
+    def prepare(self, timeout: timedelta) -> Ranks:
+        """The background ranks, their group created if needed; call on every rank, before staging."""
+        self.wait()
+        return self._ranks(timeout)
+
+    # ------------------------------------------------------------------ one save
+    def start(self, path: Path, write: Callable[[Ranks], None], staged: Staged, ranks: Ranks) -> None:
+        """Run ``write(ranks)`` (the save protocol on ``staged.state``) in the background."""
+        assert self._thread is None, "one save at a time: prepare() waits for the previous one"
+
+        def run() -> None:
+            try:
+                staged.ready()
+                write(ranks)
+            except BaseException as error:  # raised again by the next wait(), in the training thread
+                self._error = error
+
+        self._path = path
+        self._thread = threading.Thread(target=run, name=f"lightning_zero save {path.name}", daemon=False)
+        self._thread.start()
+
+    def writing(self, path: Path) -> bool:
+        """Whether the save in flight (if any) writes ``path``."""
+        return self._thread is not None and self._path is not None and _same(self._path, path)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait for the save in flight; raise what it raised (``CheckpointSaveError``: every rank raises it)."""
+        thread, path = self._thread, self._path
+        if thread is None:
+            return
+        thread.join()
+        self._thread = self._path = None
+        error, self._error = self._error, None
+        if error is None:
+            return
+        if isinstance(error, CheckpointSaveError):
+            raise error
+        raise CheckpointSaveError(
+            f"the asynchronous save of {str(path)!r} failed on this rank ({type(error).__name__}: {error}); the "
+            "previous checkpoint of that name, if any, is unchanged"
+        ) from error
+
+    def wait_after_failure(self, timeout: float) -> BaseException | None:
+        """After the run failed: wait at most ``timeout`` seconds for the save in flight (a peer that died makes it
+        fail at once; one that hangs, at the group's timeout); what it raised is returned, not raised."""
+        thread = self._thread
+        if thread is None:
+            return None
+        thread.join(timeout)
+        if thread.is_alive():
+            return CheckpointSaveError(
+                f"the asynchronous save of {str(self._path)!r} was still being written when the run failed; it "
+                "will be committed only if every rank finishes it, otherwise the previous checkpoint stays"
+            )
+        try:
+            self.wait()
+        except CheckpointSaveError as error:
+            return error
+        return None
+
+    def close(self) -> None:
+        """After ``wait``: the save group goes (the next run makes its own)."""
+        if self._thread is not None and self._thread.is_alive():
+            return  # still in flight after a failure: its group must stay for it
+        self._thread = self._path = None
+        self._mesh = None
+        group, self._group = self._group, None
+        if group is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return a == b
