@@ -211,9 +211,7 @@ class ZeRODriver:
         ``engine/free_memory.py``; rank 0 is warned)."""
         kept = False
         save_error: BaseException | None = None
-        if self.failed:
-            self._finish_save_after_failure()
-        else:
+        if not self.failed:  # after a failure, on_exception has waited for the save in flight
             try:
                 self.saves.wait()  # raised after the teardown is done: every rank raises it
             except CheckpointSaveError as error:
@@ -286,12 +284,15 @@ class ZeRODriver:
     def save_full(self, checkpoint: dict[str, Any], path: Path) -> None:
         """One ordinary ``torch.save`` file through the save protocol: every rank writes the ``FlatPiece``s it
         holds into it; a file without pieces is written by rank 0 alone."""
-        if self.sharded is not None:
-            self._save(path, checkpoint, lambda ranks, state: save_full(ranks, state, path), in_background=True)
-        else:
-            self.saves.wait()
-            if self.ranks().is_zero:
-                atomic_torch_save(checkpoint, path)
+        sharded = self.sharded is not None
+
+        def write(ranks: Ranks, state: dict[str, Any]) -> None:
+            if sharded:
+                save_full(ranks, state, path)
+            elif ranks.is_zero:
+                atomic_torch_save(state, path)
+
+        self._save(path, checkpoint, write, in_background=sharded)
 
     def _save(self, path: Path, state: Any, write: Callable[[Ranks, Any], None], in_background: bool) -> None:
         """``write(ranks, state)`` now, or (``async_save``, during a run) on a copy of ``state`` staged in host memory

@@ -39,6 +39,7 @@ thread, and training goes on:
 from __future__ import annotations
 
 import copy
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -102,14 +103,13 @@ def stage_on_host(obj: Any, pinned: PinnedBuffers, cpu_mesh: Callable[[], Device
     """
     memo: dict[int, Any] = {}
     devices: set[torch.device] = set()
-    counter = [0]
+    slots = itertools.count()  # the position of each device tensor, for its pinned buffer
 
     def host(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
         if tensor.device.type == "cpu":
             return tensor.clone()
-        buffer = pinned.take(counter[0], tensor)
-        counter[0] += 1
+        buffer = pinned.take(next(slots), tensor)
         buffer.copy_(tensor, non_blocking=True)
         devices.add(tensor.device)
         return buffer
@@ -170,8 +170,9 @@ class BackgroundSaves:
     Example::
 
         saves = BackgroundSaves()
-        staged = stage_on_host(checkpoint, saves.pinned)
-        saves.start(path, lambda ranks: save_full(ranks, staged.state, path), staged, timeout)
+        ranks = saves.prepare(timedelta(minutes=30))  # the previous save done, the save group made
+        staged = stage_on_host(checkpoint, saves.pinned, saves.cpu_mesh)
+        saves.start(path, lambda r: save_full(r, staged.state, path), staged, ranks)
         ...
         saves.wait()  # raises what the save raised
     """
@@ -230,7 +231,7 @@ class BackgroundSaves:
 
     def writing(self, path: Path) -> bool:
         """Whether the save in flight (if any) writes ``path``."""
-        return self._thread is not None and self._path is not None and _same(self._path, path)
+        return self._path is not None and _same(self._path, path)  # set while a thread is held
 
     @property
     def in_flight(self) -> bool:
