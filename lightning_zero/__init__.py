@@ -20,6 +20,7 @@ The errors the strategies raise on purpose (``lightning_zero.CheckpointSaveError
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero import fabric  # registers "zero1", "zero2" and "zero3" with Fabric
+from lightning_zero.activations import ActivationProfile, profile_activations
 from lightning_zero.driver.checkpointing import consolidate as consolidate_checkpoint
 from lightning_zero.engine.errors import (
     CheckpointMismatchError,
@@ -46,6 +47,7 @@ from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strateg
 
 __version__ = "0.1.0"
 __all__ = [
+    "ActivationProfile",
     "CheckpointMismatchError",
     "CheckpointSaveError",
     "CollectiveMismatchError",
@@ -78,6 +80,7 @@ __all__ = [
     "fabric",
     "from_pretrained",
     "load_weights",
+    "profile_activations",
 ]
 
 for _strategy, _name in ((ZeRO1Strategy, "zero1"), (ZeRO2Strategy, "zero2"), (ZeRO3Strategy, "zero3")):

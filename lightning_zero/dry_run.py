@@ -22,6 +22,10 @@ send). What the simulation leaves out:
 - time: collectives cost nothing here, so the wall time is the compute of one rank on this machine, not a step
   time; the estimator's network time is given beside it.
 
+The estimator's row for the same configuration is given beside the measured figures; its peak in a step adds the
+activations ``profile_activations`` measures on a second copy of the module built on meta, with the same batch
+and policy (not under mixed precision: autocast does not run on meta).
+
 Agreements need other ranks, so the collective checks are off; a checkpoint save is not simulated.
 
 Example::
@@ -47,8 +51,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_zero.activations import ActivationProfile, profile_activations
 from lightning_zero.driver.config import ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
 from lightning_zero.engine.core.ledger import GatherLedger
@@ -121,6 +126,8 @@ class DryRunReport:
             f"{format_bytes(self.theory_model_state_bytes)} | {format_bytes(est_state)} |",
             f"| peak gathered (stage 3) | {format_bytes(self.peak_gathered_bytes)} | | "
             f"{format_bytes(self.estimate.get('gathered') or 0.0)} |",
+            f"| peak in a step | {format_bytes(self.peak_step_bytes.get('total', 0))} | | "
+            f"{format_bytes(self.estimate.get('device_peak', 0.0))} |",
             f"| bytes sent per step | {format_bytes(self.bytes_sent_total)} | "
             f"{format_bytes(self.theory_bytes_sent_per_step)} | {format_bytes(self.estimate.get('comm_bytes', 0.0))} |",
             "",
@@ -273,6 +280,7 @@ def dry_run(
         sharded.bind_optimizer(optimizer)
         sharded.reducer.check_finite = False  # the reduced values are this rank's alone: nothing to check
         batch = _batch(module, batch_shape)
+        activations, note = _profile(factory, plugin, precision, config, batch)
         for step in range(steps - 1):
             _train_step(module, sharded, optimizer, plugin, batch, step)
             optimizer.zero_grad()
@@ -297,7 +305,10 @@ def dry_run(
             state,
             before,
             after,
+            activations,
         )
+        if note:
+            report.notes.append(note)
         report.peak_step_bytes = {
             "model_state_at_rest": sum(at_rest[k] for k in STATE_KEYS),
             "gathered": tracked.gathered_at_peak,
@@ -310,6 +321,33 @@ def dry_run(
         return report
     finally:
         dist.destroy_process_group()
+
+
+def _profile(
+    factory: Callable[[], Any], plugin: Any, precision: str, config: ZeROConfig, batch: Any
+) -> tuple[ActivationProfile | None, str | None]:
+    """The activations of one micro-batch of ``batch`` for the estimator, measured on a second copy of the module
+    built on the meta device (see [Note: activation memory per unit] in ``activations.py``)."""
+    if batch is None:
+        return None, None
+    if precision.endswith("-mixed"):  # autocast has no meta device: the profile would be the fp32 one
+        return None, f"estimator: activations not profiled under {precision} (autocast does not run on meta)"
+    with torch.device("meta"):
+        copy = factory()
+        if hasattr(copy, "configure_model"):
+            copy.configure_model()
+    copy = plugin.convert_module(copy)
+    on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
+    try:
+        profile = profile_activations(
+            copy,
+            lambda module: module.training_step(on_meta, 0),
+            unit_modules=None if config.unit_modules is None else list(config.unit_modules),
+            activation_checkpointing_policy=config.activation_checkpointing_policy,
+        )
+    except Exception as error:  # an op without a meta kernel, a step that reads values: the estimate goes without
+        return None, f"estimator: activations not profiled (the training step does not run on meta: {error})"
+    return profile, None
 
 
 def _resolve(shard_size: int | str | None, world_size: int) -> int:
@@ -396,6 +434,7 @@ def _report(
     state: dict[str, int],
     before: dict[str, Any],
     after: dict[str, Any],
+    activations: ActivationProfile | None = None,
 ) -> DryRunReport:
     numel = sum(p.numel() for p in _unique_params(module))
     shard = sharded.shard_size
@@ -421,6 +460,7 @@ def _report(
         offload_params=config.offload_params,
         unit_modules=None if config.unit_modules is None else list(config.unit_modules),
         shard_size=None if shard == world_size else shard,
+        activations=activations,
     )
     row = est.row(f"zero{config.stage}")
     model_state = {k: state[k] for k in STATE_KEYS}
@@ -450,6 +490,8 @@ def _report(
             "device_total": row.device.total,
             "cpu_total": row.cpu.total,
             "gathered": row.gathered,
+            "activations": row.activations,
+            "device_peak": row.device_peak,
             "comm_bytes": row.comm_bytes,
             "comm_seconds": row.comm_seconds,
         },

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from torch import nn
 
+from lightning_zero.activations import ActivationProfile
 from lightning_zero.engine.comm.mesh import resolve_shard_size
 from lightning_zero.engine.core.grouping import ROOT_NAME, module_class_policy, plan_units
 from lightning_zero.engine.core.layout import ShardLayout
@@ -211,9 +212,10 @@ def _ddp_row(counts: _Counts, setting: _Setting) -> StrategyEstimate:
         0.0,
         sent,
         links.seconds(world_size, sent),
-        None if memory is None else device.total <= memory,
+        None if memory is None else device.total + setting.activations <= memory,
         intra_node_bytes=0.0 if spans else sent,
         inter_node_bytes=sent if spans else 0.0,
+        activations=setting.activations,
     )
 
 
@@ -226,6 +228,7 @@ class _Setting(NamedTuple):
     links: _Links
     memory: float | None
     micro_batches: int = 1  # accumulate_grad_batches: the micro-batches of one optimizer step
+    activations: float = 0.0  # one micro-batch's activations at their peak (0: not profiled)
 
 
 def _zero_row(
@@ -242,7 +245,7 @@ def _zero_row(
     stage 3 gathers every unit twice per micro-batch, and stages 2 and 3 reduce-scatter every micro-batch unless
     ``accumulate="local"`` (see [Note: local accumulation] in ``engine/schedule/grads.py``), which holds the full
     gradients on the device instead, as stage 1 does."""
-    d, world_size, prefetch, links, memory, micro_batches = setting
+    d, world_size, prefetch, links, memory, micro_batches, activations = setting
     c, m, k = d.compute, d.master, d.optimizer_states
     offload = offload or offload_params
     separate = d.separate_master or offload
@@ -297,7 +300,7 @@ def _zero_row(
         gathered,
         inside + across,
         seconds,
-        None if memory is None else device.total + (gathered or 0.0) <= memory,
+        None if memory is None else device.total + (gathered or 0.0) + activations <= memory,
         intra_node_bytes=intra,
         inter_node_bytes=inside + across - intra,
         host_bytes=host,
@@ -306,6 +309,7 @@ def _zero_row(
         offload_optimizer=offload,
         offload_params=offload_params,
         accumulate=accumulate if stage > 1 and micro_batches > 1 else None,
+        activations=activations,
     )
 
 
@@ -372,6 +376,7 @@ def estimate_memory(
     inter_node_gbps: float | None = None,
     pcie_gbps: float | None = None,
     accumulate_grad_batches: int = 1,
+    activations: ActivationProfile | None = None,
 ) -> MemoryEstimate:
     """Predict per-device model-state memory and per-step communication of DDP and ZeRO stages 1-3.
 
@@ -403,6 +408,9 @@ def estimate_memory(
         accumulate_grad_batches: micro-batches per optimizer step; bytes are per optimizer step. Above 1, stages 2
             and 3 get a second row each with ``accumulate="local"`` (one reduce-scatter per step, the full
             gradients held on the device), and the recommendation weighs both.
+        activations: one micro-batch's activations per unit, from ``profile_activations`` (see [Note: activation
+            memory per unit] in ``activations.py``); their peak is added to every row's device total and weighed
+            by the recommendation. Without it, rows count model states only.
 
     Example::
 
@@ -506,7 +514,12 @@ def estimate_memory(
             "twice per micro-batch; stages 2 and 3 reduce-scatter every micro-batch, or once per step with "
             "accumulate='local' (the rows 'local accumulation'), which holds the full gradients meanwhile"
         )
-    setting = _Setting(d, world_size, prefetch, links, memory, accumulate_grad_batches)
+    if activations is not None and not isinstance(activations, ActivationProfile):
+        raise TypeError(
+            f"activations must be an ActivationProfile (from profile_activations), got {type(activations).__name__}"
+        )
+    peak_activations = 0.0 if activations is None else float(activations.peak_bytes)
+    setting = _Setting(d, world_size, prefetch, links, memory, accumulate_grad_batches, peak_activations)
     rows = _rows(counts_for(shard), setting, shard, offload_optimizer, offload_params)
     if counts.gathered_numel(prefetch) is None:
         notes.append(
@@ -535,6 +548,7 @@ def estimate_memory(
         intra_node_gbps=intra,
         inter_node_gbps=inter,
         pcie_gbps=links.pcie,
+        activations=activations,
     )
 
 
@@ -555,10 +569,15 @@ def _recommendation_text(
         f"nothing fits in {format_bytes(memory)} per device, not even stage 3 with its parameters and optimizer "
         f"offloaded (--offload-params; stage 3 as configured needs {format_bytes(stage3.device_peak)})"
     )
-    room = memory - (stage3.gathered or 0.0)
+    room = memory - (stage3.gathered or 0.0) - stage3.activations
     if room > 0:
         needed = math.ceil(stage3.device.total * world_size / room)
         text += f"; stage 3 fits on about {needed} devices"
+    elif stage3.activations:
+        text += (
+            "; the gathered units and the activations alone do not fit: make the units smaller (unit_modules), "
+            "the micro-batch smaller, or checkpoint activations (activation_checkpointing_policy)"
+        )
     else:
         text += "; the gathered units alone do not fit: make the units smaller (unit_modules)"
     return text

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import textwrap
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from lightning_zero.activations import ActivationProfile
 
 #: Default bus bandwidth (GB/s) within one node: NVLink class, below the 230-250 GB/s all-reduce bus
 #: bandwidth nccl-tests reports for 8 x A100 SXM4 (H100 SXM reaches about 450).
@@ -51,7 +54,10 @@ def render(est: MemoryEstimate) -> str:
     d = est.dtypes
     offload = est.offload_optimizer or est.offload_params
     levels = est.nodes > 1
-    header = ["strategy", "params", "grads", "master", "optimizer states", "gathered", "device total"]
+    profiled = est.activations is not None
+    header = ["strategy", "params", "grads", "master", "optimizer states", "gathered"]
+    header += ["activations"] if profiled else []
+    header += ["device total"]
     header += ["CPU total"] if offload else []
     header += ["sent per step"] + (["of which across nodes"] if levels else []) + ["comm time"]
     header += ["host copies"] if offload else []
@@ -59,7 +65,9 @@ def render(est: MemoryEstimate) -> str:
     lines = []
     for r in est.rows:
         gathered = "-" if r.stage != 3 else "not counted" if r.gathered is None else format_bytes(r.gathered)
-        cells = [r.label] + [_cell(a, b) for a, b in zip(r.device, r.cpu)] + [gathered, format_bytes(r.device_peak)]
+        cells = [r.label] + [_cell(a, b) for a, b in zip(r.device, r.cpu)] + [gathered]
+        cells += [format_bytes(r.activations)] if profiled else []
+        cells += [format_bytes(r.device_peak)]
         cells += [format_bytes(r.cpu.total) if r.cpu.total else "-"] if offload else []
         cells += [format_bytes(r.comm_bytes)] + ([format_bytes(r.inter_node_bytes)] if levels else [])
         cells += [format_seconds(r.comm_seconds)]
@@ -88,9 +96,27 @@ def render(est: MemoryEstimate) -> str:
         + (", stage 3's parameters offloaded to CPU" if est.offload_params else "")
     )
     table = [fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(fmt(cells) for cells in lines)]
+    if est.activations is None:
+        first = (
+            "Per rank: model states (no activations, no allocator or framework overhead); the device total adds "
+            "stage 3's gathered units to the persistent bytes."
+        )
+    else:
+        a = est.activations
+        recompute = (
+            f" plus one recomputation of {format_bytes(a.recompute_bytes)} ({a.checkpointed_modules} modules "
+            f"checkpointed; {format_bytes(a.saved_bytes)} without)"
+            if a.checkpointed_modules
+            else ""
+        )
+        first = (
+            "Per rank: model states and one micro-batch's activations (no allocator or framework overhead); the "
+            "device total adds stage 3's gathered units and the activations to the persistent bytes. Activations "
+            f"(measured by profile_activations, what autograd saves for backward): {format_bytes(a.held_bytes)} "
+            f"held until backward{recompute}, the same in every row."
+        )
     paragraphs = [
-        "Per rank: model states (no activations, no allocator or framework overhead); the device total adds "
-        "stage 3's gathered units to the persistent bytes.",
+        first,
         f"Bytes per element: compute params {d.compute} ({master}), sharded grads {d.master}, optimizer states "
         f"{d.optimizer_states:g} per param, reduce-scatter {d.reduce}; DDP params and grads {d.ddp}.",
         (
@@ -161,6 +187,7 @@ class StrategyEstimate:
     offload_optimizer: bool = False
     offload_params: bool = False
     accumulate: str | None = None  # stages 2 and 3 under gradient accumulation: "sharded" or "local"
+    activations: float = 0.0  # one micro-batch's, at their peak (the same in every row; 0: not profiled)
 
     @property
     def stage(self) -> int | None:
@@ -203,8 +230,9 @@ class StrategyEstimate:
 
     @property
     def device_peak(self) -> float:
-        """Persistent device bytes plus stage 3's gathered units (where known)."""
-        return self.device.total + (self.gathered or 0.0)
+        """Persistent device bytes plus stage 3's gathered units (where known) and the activations (where
+        profiled)."""
+        return self.device.total + (self.gathered or 0.0) + self.activations
 
 
 @dataclass(frozen=True)
@@ -230,6 +258,7 @@ class MemoryEstimate:
     intra_node_gbps: float = INTRA_NODE_GBPS
     inter_node_gbps: float = INTER_NODE_GBPS
     pcie_gbps: float = PCIE_GBPS
+    activations: ActivationProfile | None = None  # one micro-batch's, per unit (estimate_memory(activations=...))
 
     @property
     def world_size(self) -> int:
@@ -276,6 +305,7 @@ class MemoryEstimate:
                     "device": {**r.device._asdict(), "total": r.device.total},
                     "cpu": {**r.cpu._asdict(), "total": r.cpu.total},
                     "gathered": r.gathered,
+                    "activations": r.activations,
                     "device_peak": r.device_peak,
                     "comm_bytes": r.comm_bytes,
                     "intra_node_bytes": r.intra_node_bytes,
@@ -291,4 +321,5 @@ class MemoryEstimate:
             "recommended_options": None if self.recommended is None else self.recommended.options(self.world_size),
             "recommendation": self.recommendation,
             "notes": list(self.notes),
+            "activations": None if self.activations is None else self.activations.as_dict(),
         }

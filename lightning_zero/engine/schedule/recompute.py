@@ -27,8 +27,9 @@ region's first unpack, outside their backward: each is gathered a third time for
 The RNG state is restored for the recomputation (dropout draws the same mask), so a run with the policy
 matches DDP with the same modules checkpointed by hand bitwise, and one without checkpointing too where no
 random op runs. Memory: a selected module's activations live only during its own backward; the dry run
-(``python -m lightning_zero dry-run --activation-checkpointing Block``) measures the difference (the estimator
-counts model states only).
+(``python -m lightning_zero dry-run --activation-checkpointing Block``) measures the difference, and the
+estimator counts what ``profile_activations`` measures with the same policy (see [Note: activation memory per
+unit] in ``lightning_zero/activations.py``).
 """
 
 from __future__ import annotations
