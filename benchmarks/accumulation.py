@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from benchmarks.model import CONFIGS, BenchConfig, BenchGPT
-from benchmarks.results import write_results
+from benchmarks.results import chosen_systems, quiet_rank, write_results
 from benchmarks.trainer_mode import BARE_TRAINER
 
 SYSTEMS = ("ddp", "zero2-sharded", "zero2-local", "zero3-sharded", "zero3-local")
@@ -101,13 +101,7 @@ def _strategy(system: str) -> Any:
 
 
 def _run(rank: int, world_size: int, config: str, systems: list[str], steps: int, repeats: int, accumulate: int) -> Any:
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_zero"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    torch.set_num_threads(1)
+    quiet_rank()
     warmup = 1
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for repeat in range(repeats):
@@ -147,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--out", help="JSON file (default benchmarks/results/<timestamp>-accumulation.json)")
     args = parser.parse_args(argv)
-    systems = args.systems.split(",")
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    systems = chosen_systems(parser, args.systems, SYSTEMS)
     results = run_on_cpu_ranks(
         _run,
         2,

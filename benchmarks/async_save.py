@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from benchmarks.accumulation import GPT
 from benchmarks.model import CONFIGS
-from benchmarks.results import write_results
+from benchmarks.results import quiet_rank, write_results
 from benchmarks.trainer_mode import BARE_TRAINER
 
 SIZES = {**CONFIGS, "large": replace(CONFIGS["default"], n_embd=1024, n_head=16)}
@@ -83,15 +83,9 @@ def _size(path: Path) -> int:
 
 
 def _run(rank: int, world_size: int, config: str, repeats: int, warmup: int, after: int, root: str) -> Any:
-    import logging
-    import warnings
-
     from lightning_zero import ZeRO3Strategy
 
-    warnings.filterwarnings("ignore")
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning_zero"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    torch.set_num_threads(1)
+    quiet_rank()
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     for repeat in range(repeats):
         order = list(SYSTEMS) if repeat % 2 == 0 else list(reversed(SYSTEMS))

@@ -219,15 +219,10 @@ def _time_in_trainer(name: str, system: str, rank: int, steps: int, warmup: int,
 
 
 def _run(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
-    import logging
-    import warnings
-
     from benchmarks.engine_mode import rotated
+    from benchmarks.results import quiet_rank
 
-    warnings.filterwarnings("ignore")
-    for logger_name in ("lightning.pytorch", "lightning.fabric", "lightning_zero"):
-        logging.getLogger(logger_name).setLevel(logging.WARNING)
-    torch.set_num_threads(1)
+    quiet_rank()
     trainer = options["mode"] == "trainer"
     systems = tuple(options["systems"])
     time_system = _time_in_trainer if trainer else _time_system

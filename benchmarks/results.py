@@ -228,3 +228,26 @@ def write_results(name: str, options: dict[str, Any], results: Any, out: str | N
     path.write_text(json.dumps({"options": options, "results": results}, indent=2))
     print(f"written: {path}")
     return path
+
+
+def quiet_rank() -> None:
+    """What every benchmark rank does first: no warnings, Lightning's and ours at WARNING, one thread per process
+    (two ranks share the two cores)."""
+    import logging
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_zero"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    torch.set_num_threads(1)
+
+
+def chosen_systems(parser: Any, text: str, known: tuple[str, ...]) -> list[str]:
+    """The comma-separated ``--systems`` of a benchmark, each one of ``known`` (else ``parser.error``)."""
+    systems = text.split(",")
+    unknown = [s for s in systems if s not in known]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {known}")
+    return systems

@@ -68,6 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parity.add_argument("--rtol", type=float, default=1e-5, help="largest relative difference (default: 1e-5)")
     parity.add_argument("--seed", type=int, default=0, help="seed for building the module and both runs")
     parity.add_argument("--timeout", type=float, default=600, help="seconds both runs may take (default: 600)")
+    for what in ("weights", "grads"):
+        parity.add_argument(
+            f"--quantize-{what}",
+            choices=("int8",),
+            help=f"the ZeRO run with quantize_{what}=int8: the report is then its drift from the exact run",
+        )
     _add_estimate_parser(commands)
     _add_dry_run_parser(commands)
     args = parser.parse_args(argv)
@@ -199,6 +205,12 @@ def _add_estimate_parser(commands: Any) -> None:
         default=1,
         help="micro-batches per optimizer step: adds stages 2 and 3 with accumulate='local' (default: 1)",
     )
+    estimate.add_argument(
+        "--quantize-weights", choices=("int8",), help="stage 3's gathers in int8 (quantize_weights='int8')"
+    )
+    estimate.add_argument(
+        "--quantize-grads", choices=("int8",), help="the reduce-scatters of stages 2 and 3 in int8 (quantize_grads)"
+    )
     estimate.add_argument("--json", action="store_true", help="print JSON (a list when several --devices are given)")
 
 
@@ -226,6 +238,8 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 prefetch=args.prefetch,
                 largest_unit_params=args.largest_unit,
                 accumulate_grad_batches=args.accumulate_grad_batches,
+                quantize_weights=args.quantize_weights,
+                quantize_grads=args.quantize_grads,
             )
             for devices in args.devices
         ]
@@ -262,6 +276,8 @@ def _add_dry_run_parser(commands: Any) -> None:
         metavar="CLASSES",
         help="comma-separated module class names whose forward is recomputed in backward (e.g. Block)",
     )
+    dry.add_argument("--quantize-weights", choices=("int8",), help="stage 3's gathers in int8")
+    dry.add_argument("--quantize-grads", choices=("int8",), help="the reduce-scatters of stages 2 and 3 in int8")
     dry.add_argument("--steps", type=_positive_int, default=2, help="training steps; the last is measured")
     dry.add_argument(
         "--batch-shape",
@@ -297,6 +313,8 @@ def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             steps=args.steps,
             batch_shape=shape,
             activation_checkpointing=recomputed,
+            quantize_weights=args.quantize_weights,
+            quantize_grads=args.quantize_grads,
         )
     except (ValueError, TypeError) as error:
         print(f"dry-run: {error}", file=sys.stderr)
@@ -337,9 +355,11 @@ def _check_parity(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     from lightning_zero.parity import check_parity
 
     model = _load_module(parser, args.target, args.seed)
+    options = {f"quantize_{w}": getattr(args, f"quantize_{w}") for w in ("weights", "grads")}
     try:
         report = check_parity(
             model,
+            strategy_kwargs={k: v for k, v in options.items() if v is not None},
             stage=args.stage,
             steps=args.steps,
             world_size=args.world_size,
@@ -347,7 +367,7 @@ def _check_parity(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
             rtol=args.rtol,
             timeout=args.timeout,
         )
-    except (RuntimeError, TimeoutError, TypeError) as error:
+    except (RuntimeError, TimeoutError, TypeError, ValueError) as error:
         print(f"check-parity: {error}", file=sys.stderr)
         return 2
     print(report)

@@ -59,7 +59,7 @@ from lightning_zero.driver.driver import ZeRODriver
 from lightning_zero.engine.core.ledger import GatherLedger
 from lightning_zero.engine.core.memory import theory_bytes
 from lightning_zero.engine.sharded_model import ShardedModel
-from lightning_zero.estimate import estimate_memory
+from lightning_zero.estimate import WIRE_BYTES_PER_ELEMENT, estimate_memory
 from lightning_zero.estimate_report import format_bytes
 
 DRY_RUN_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -228,13 +228,16 @@ def dry_run(
     batch_shape: tuple[int, ...] | None = None,
     init_kwargs: dict[str, Any] | None = None,
     activation_checkpointing: list[type[nn.Module] | str] | None = None,
+    quantize_weights: str | None = None,
+    quantize_grads: str | None = None,
 ) -> DryRunReport:
     """Run rank ``rank`` of a ``world_size``-rank ZeRO job in this process (see [Note: dry run]) and report its
     memory and communication. ``target``: ``"FILE.py:CLASS"`` or ``"module:CLASS"`` (a ``LightningModule`` class,
     built with ``init_kwargs``, its model made in ``__init__`` or ``configure_model``), or a function returning one.
     The batch is the first of the module's ``train_dataloader()``; with ``batch_shape``, ``(x, y)``: two int64
     tensors of that shape (token ids 0), as language models take. ``activation_checkpointing``: module classes (or
-    names) whose forward is recomputed in backward (the strategies' ``activation_checkpointing_policy``). Needs a
+    names) whose forward is recomputed in backward (the strategies' ``activation_checkpointing_policy``).
+    ``quantize_weights`` / ``quantize_grads``: the strategies' options (the bytes are those of the int8 rows). Needs a
     process without a process group."""
     if precision not in DRY_RUN_PRECISIONS:
         raise ValueError(f"dry_run supports precision in {DRY_RUN_PRECISIONS}, got {precision!r}")
@@ -260,6 +263,8 @@ def dry_run(
             offload_params=offload_params,
             shard_size=shard_size,
             activation_checkpointing_policy=activation_checkpointing or None,
+            quantize_weights=quantize_weights,
+            quantize_grads=quantize_grads,
         )
         driver = ZeRODriver(config)
         device = torch.device("cpu")
@@ -445,8 +450,11 @@ def _report(
         delta = stats.since(before[name]) if name in before else stats
         sent[name] = {k: int(v.bytes_sent) for k, v in delta.by_kind.items() if v.calls}
         calls[name] = {k: int(v.calls) for k, v in delta.by_kind.items() if v.calls}
-    element = 4  # fp32 elements in the theory's 2Ψ / 3Ψ
-    traffic = (3 if config.stage == 3 else 2) * numel * element * (shard - 1) / shard
+    element = 4  # fp32 elements in the theory's 2Ψ / 3Ψ; an int8 row's bytes per element where quantized
+    wire = WIRE_BYTES_PER_ELEMENT
+    gathered = (2 if config.stage == 3 else 1) * numel * (wire if config.quantize_weights else element)
+    reduced = numel * (wire if config.quantize_grads else element)
+    traffic = (gathered + reduced) * (shard - 1) / shard
     if shard != world_size:  # each shard group's reduced gradient shard, all-reduced across the replicas
         replicas = world_size // shard
         traffic += 2 * (numel / shard) * element * (replicas - 1) / replicas
@@ -461,6 +469,8 @@ def _report(
         unit_modules=None if config.unit_modules is None else list(config.unit_modules),
         shard_size=None if shard == world_size else shard,
         activations=activations,
+        quantize_weights=config.quantize_weights,
+        quantize_grads=config.quantize_grads,
     )
     row = est.row(f"zero{config.stage}")
     model_state = {k: state[k] for k in STATE_KEYS}

@@ -32,6 +32,7 @@ from torch import nn
 
 from lightning_zero.activations import ActivationProfile
 from lightning_zero.engine.comm.mesh import resolve_shard_size
+from lightning_zero.engine.comm.quantized import BLOCK, check_quantization
 from lightning_zero.engine.core.grouping import ROOT_NAME, module_class_policy, plan_units
 from lightning_zero.engine.core.layout import ShardLayout
 from lightning_zero.estimate_report import (
@@ -46,6 +47,7 @@ from lightning_zero.estimate_report import (
     format_seconds,
 )
 
+WIRE_BYTES_PER_ELEMENT = 1 + 4 / BLOCK  # an int8 value and its share of the block's fp32 scale
 PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}  # as Lightning reads them
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -229,6 +231,8 @@ class _Setting(NamedTuple):
     memory: float | None
     micro_batches: int = 1  # accumulate_grad_batches: the micro-batches of one optimizer step
     activations: float = 0.0  # one micro-batch's activations at their peak (0: not profiled)
+    quantize_weights: str | None = None  # stage 3's gathers for compute (see comm/quantized.py)
+    quantize_grads: str | None = None  # stages 2 and 3's reduce-scatters
 
 
 def _zero_row(
@@ -245,7 +249,7 @@ def _zero_row(
     stage 3 gathers every unit twice per micro-batch, and stages 2 and 3 reduce-scatter every micro-batch unless
     ``accumulate="local"`` (see [Note: local accumulation] in ``engine/schedule/grads.py``), which holds the full
     gradients on the device instead, as stage 1 does."""
-    d, world_size, prefetch, links, memory, micro_batches, activations = setting
+    d, world_size, prefetch, links, memory, micro_batches, activations, quantize_weights, quantize_grads = setting
     c, m, k = d.compute, d.master, d.optimizer_states
     offload = offload or offload_params
     separate = d.separate_master or offload
@@ -274,10 +278,16 @@ def _zero_row(
     # and 2: the updated shards after the step). Across the groups: one all-reduce of each gradient shard.
     gathers = 2 * micro_batches if stage == 3 else 1
     reductions = 1 if local else micro_batches
+    # Quantized rows carry 1 byte per element and a 4-byte scale per block (see [Note: quantized collectives]), inside
+    # the shard group only; the replicas' all-reduce stays exact.
+    weights = quantize_weights if stage == 3 else None
+    grads = quantize_grads if stage > 1 else None
+    gathered_element = WIRE_BYTES_PER_ELEMENT if weights else c
+    reduced_element = WIRE_BYTES_PER_ELEMENT if grads else d.reduce
     inside = (
         (
-            reductions * counts.trainable_padded * d.reduce
-            + gathers * (counts.padded if stage == 3 else counts.trainable_padded) * c
+            reductions * counts.trainable_padded * reduced_element
+            + gathers * (counts.padded if stage == 3 else counts.trainable_padded) * gathered_element
         )
         * (shard_size - 1)
         / shard_size
@@ -310,6 +320,8 @@ def _zero_row(
         offload_params=offload_params,
         accumulate=accumulate if stage > 1 and micro_batches > 1 else None,
         activations=activations,
+        quantize_weights=weights,
+        quantize_grads=grads,
     )
 
 
@@ -377,6 +389,8 @@ def estimate_memory(
     pcie_gbps: float | None = None,
     accumulate_grad_batches: int = 1,
     activations: ActivationProfile | None = None,
+    quantize_weights: str | None = None,
+    quantize_grads: str | None = None,
 ) -> MemoryEstimate:
     """Predict per-device model-state memory and per-step communication of DDP and ZeRO stages 1-3.
 
@@ -411,6 +425,9 @@ def estimate_memory(
         activations: one micro-batch's activations per unit, from ``profile_activations`` (see [Note: activation
             memory per unit] in ``activations.py``); their peak is added to every row's device total and weighed
             by the recommendation. Without it, rows count model states only.
+        quantize_weights / quantize_grads: ``"int8"``: the strategies' options of the same names (see [Note:
+            quantized collectives] in ``engine/comm/quantized.py``): stage 3's gathers, and the reduce-scatters of
+            stages 2 and 3, move 1 + 4/256 bytes per element inside the shard group.
 
     Example::
 
@@ -519,7 +536,19 @@ def estimate_memory(
             f"activations must be an ActivationProfile (from profile_activations), got {type(activations).__name__}"
         )
     peak_activations = 0.0 if activations is None else float(activations.peak_bytes)
-    setting = _Setting(d, world_size, prefetch, links, memory, accumulate_grad_batches, peak_activations)
+    check_quantization("quantize_weights", quantize_weights)
+    check_quantization("quantize_grads", quantize_grads)
+    setting = _Setting(
+        d,
+        world_size,
+        prefetch,
+        links,
+        memory,
+        accumulate_grad_batches,
+        peak_activations,
+        quantize_weights,
+        quantize_grads,
+    )
     rows = _rows(counts_for(shard), setting, shard, offload_optimizer, offload_params)
     if counts.gathered_numel(prefetch) is None:
         notes.append(

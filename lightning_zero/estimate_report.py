@@ -94,6 +94,8 @@ def render(est: MemoryEstimate) -> str:
         + (f", ZeRO states sharded over groups of {est.shard_size} (hybrid)" if est.shard_size else "")
         + (", optimizer offloaded to CPU" if est.offload_optimizer else "")
         + (", stage 3's parameters offloaded to CPU" if est.offload_params else "")
+        + (", stage 3's gathers in int8" if any(r.quantize_weights for r in est.rows) else "")
+        + (", reduce-scatters of stages 2 and 3 in int8" if any(r.quantize_grads for r in est.rows) else "")
     )
     table = [fmt(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(fmt(cells) for cells in lines)]
     if est.activations is None:
@@ -188,6 +190,8 @@ class StrategyEstimate:
     offload_params: bool = False
     accumulate: str | None = None  # stages 2 and 3 under gradient accumulation: "sharded" or "local"
     activations: float = 0.0  # one micro-batch's, at their peak (the same in every row; 0: not profiled)
+    quantize_weights: str | None = None  # stage 3: its gathers for compute are quantized
+    quantize_grads: str | None = None  # stages 2 and 3: their reduce-scatters are quantized
 
     @property
     def stage(self) -> int | None:
@@ -215,6 +219,10 @@ class StrategyEstimate:
             options["offload_params"] = True
         if self.accumulate == "local":
             options["accumulate"] = "local"
+        if self.quantize_weights:
+            options["quantize_weights"] = self.quantize_weights
+        if self.quantize_grads:
+            options["quantize_grads"] = self.quantize_grads
         return options
 
     def describe(self, world_size: int) -> str:

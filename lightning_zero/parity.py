@@ -39,6 +39,10 @@ From the command line, for a module class (or a zero-argument factory) whose own
 ``train_dataloader`` provides the data::
 
     python -m lightning_zero check-parity my_package.models:MyModule --stage 3 --steps 5
+
+With a quantized configuration (``strategy_kwargs={"quantize_weights": "int8"}``, or ``--quantize-weights int8``)
+the same comparison is a drift report: how far the quantized run moves from the exact one, per step, and its
+final loss and parameters, before a long run pays for it.
 """
 
 from __future__ import annotations
@@ -102,6 +106,12 @@ class ParityReport:
         worst_param: The state-dict key with the largest relative difference; ``None`` when every entry
             is equal.
         rtol: The tolerance ``ok`` was judged with.
+        param_drift: ``||zero - ddp|| / ||ddp||`` over every floating-point entry of the final state dict (one L2
+            norm over all of them): how far the ZeRO run's parameters are from the exact run's.
+        param_drift_of_update: ``||zero - ddp|| / ||ddp - initial||``: the same against how far the exact run
+            moved the parameters from where both started.
+        quantized: The ZeRO run's ``quantize_*`` options (``""`` when it is exact): then the report measures the
+            drift quantization costs (the verdict reads ``DRIFT`` instead of ``MISMATCH``).
         ok: Whether the runs had the same structure (batches, optimizer steps, state-dict keys and
             shapes) and every relative difference above is at most ``rtol``.
         notes: Anything that limited the comparison or made it fail, in words.
@@ -121,13 +131,24 @@ class ParityReport:
     rtol: float
     ok: bool
     notes: list[str] = field(default_factory=list)
+    quantized: str = ""  # the quantize_* options of the ZeRO run ("" for an exact run): its drift is measured
+    param_drift: float = 0.0  # ||zero - ddp|| / ||ddp|| over every floating-point state-dict entry (L2)
+    param_drift_of_update: float = 0.0  # ||zero - ddp|| / ||ddp - initial||: the drift against what training moved
+
+    @property
+    def final_loss_rel_diff(self) -> float:
+        """``|zero - ddp| / |ddp|`` of the last batch's loss (averaged over ranks); NaN without losses."""
+        if not self.losses:
+            return math.nan
+        return _diff(*self.losses[-1])[1]
 
     def __str__(self) -> str:
         name = f"zero{self.stage}"
-        verdict = "OK" if self.ok else "MISMATCH"
+        verdict = "OK" if self.ok else ("DRIFT" if self.quantized else "MISMATCH")
+        configuration = f" ({self.quantized})" if self.quantized else ""
         lines = [
-            f"lightning_zero parity check: {name} vs ddp, {self.world_size} process(es), {self.steps} step(s), "
-            f"rtol {self.rtol:g}: {verdict}"
+            f"lightning_zero parity check: {name}{configuration} vs ddp, {self.world_size} process(es), "
+            f"{self.steps} step(s), rtol {self.rtol:g}: {verdict}"
         ]
         if len(self.losses) == len(self.grad_norms):
             header = ("step", "loss ddp", f"loss {name}", "rel diff", "grad norm ddp", f"grad norm {name}", "rel diff")
@@ -146,6 +167,12 @@ class ParityReport:
                 [(str(i), *_pair_cells(p)) for i, p in enumerate(self.grad_norms)],
             )
         worst = f" ({self.worst_param})" if self.worst_param is not None else " (all equal)"
+        if self.quantized:
+            lines += [
+                f"final loss diff:    rel {self.final_loss_rel_diff:.3g} (the price of {self.quantized})",
+                f"parameter drift:    rel {self.param_drift:.3g} of the parameters (L2), "
+                f"{self.param_drift_of_update:.3g} of what training moved them",
+            ]
         lines += [
             f"max loss diff:      abs {self.max_abs_loss_diff:.3g}, rel {self.max_rel_loss_diff:.3g} (any rank)",
             f"max grad-norm diff: rel {self.max_rel_grad_norm_diff:.3g}",
@@ -240,7 +267,15 @@ def check_parity(
     initial = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, Tensor)}
     job = _Job(payload=payload, stage=stage, steps=steps, seed=seed)
     results = _spawn(job, world_size, timeout)
-    return _report(stage, world_size, steps, rtol, [r["ddp"] for r in results], [r["zero"] for r in results], initial)
+    report = _report(stage, world_size, steps, rtol, [r["ddp"] for r in results], [r["zero"] for r in results], initial)
+    quantized = {k: v for k, v in (strategy_kwargs or {}).items() if k.startswith("quantize_") and v is not None}
+    if quantized:  # DDP is the exact run (every exact stage equals it bit for bit): what differs is quantization's
+        report.quantized = ", ".join(f"{k}={v!r}" for k, v in sorted(quantized.items()))
+        report.notes.append(
+            f"{report.quantized} moves quantized values on purpose: the differences above are its drift from the "
+            "exact run (DDP, which every exact stage equals bit for bit), not a fault"
+        )
+    return report
 
 
 # ---------------------------------------------------------------------- inside the processes
@@ -470,6 +505,13 @@ def _report(
             "exact, so world_size=2 tells such rounding from a real difference"
         )
     ok = structure_ok and max(max_rel_loss, max_rel_norm, max_rel_param) <= rtol
+    drift, moved, size = 0.0, 0.0, 0.0  # squared L2 norms over the floating-point entries both runs have
+    for key in (k for k in ref_state if k in got_state and k in initial):
+        ref, got, start = ref_state[key], got_state[key], initial[key]
+        if ref.is_floating_point() and ref.shape == got.shape == start.shape:
+            drift += float((got.double() - ref.double()).square().sum())
+            moved += float((ref.double() - start.double()).square().sum())
+            size += float(ref.double().square().sum())
     return ParityReport(
         stage=stage,
         world_size=world_size,
@@ -485,6 +527,8 @@ def _report(
         rtol=rtol,
         ok=ok,
         notes=notes,
+        param_drift=math.sqrt(drift / size) if size else 0.0,
+        param_drift_of_update=math.sqrt(drift / moved) if moved else 0.0,
     )
 
 

@@ -198,3 +198,16 @@ def test_async_save_benchmark_times_both_modes_of_both_formats(tmp_path: Path) -
         if system.startswith("async"):
             assert row["blocked_s"] <= row["committed_s"], (system, row)
         assert row["step_s_before"] > 0 and row["step_s_during"] > 0, (system, row)
+
+
+def test_quantized_benchmark_counts_a_quarter_of_the_bytes_and_keeps_the_loss(tmp_path: Path) -> None:
+    from benchmarks.quantized import main
+
+    out = tmp_path / "quantized.json"
+    assert main(["--config", "tiny", "--steps", "2", "--systems", "zero3-exact,zero3-both", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    both = results["summary"]["zero3-both"]
+    assert 0.25 < both["all_gather_ratio"] < 0.3 and 0.25 < both["reduce_scatter_ratio"] < 0.3, both
+    assert abs(both["final_loss_drift"]) < 0.02, both
+    assert results["runs"]["zero3-both"][0]["codec_seconds_per_step"] > 0
+    assert results["runs"]["zero3-exact"][0]["codec_seconds_per_step"] == 0

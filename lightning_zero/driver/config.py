@@ -19,9 +19,10 @@ import torch
 from torch.nn import Module
 
 from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.comm.quantized import Quantization
 from lightning_zero.engine.comm.sequence import CollectiveChecks
 from lightning_zero.engine.schedule.recompute import check_policy
-from lightning_zero.engine.sharded_model import check_offload_params
+from lightning_zero.engine.sharded_model import check_offload_params, check_quantize
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 CheckpointFormat = Literal["full", "sharded"]
@@ -210,6 +211,8 @@ class ZeROConfig:
     activation_checkpointing_policy: Any = None
     accumulate: Accumulate | None = None
     async_save: bool = False
+    quantize_weights: Quantization | None = None
+    quantize_grads: Quantization | None = None
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -231,6 +234,7 @@ class ZeROConfig:
         )
         validate_overlap_options(self.stage, self.bucket_size_mb, self.prefetch, self.reshard_after_forward)
         check_offload_params(self.stage, self.offload_params)
+        check_quantize(self.stage, self.quantize_weights, self.quantize_grads)
         check_shard_size(self.shard_size)
         check_policy(self.activation_checkpointing_policy)
         policy = self.activation_checkpointing_policy

@@ -158,6 +158,8 @@ class ZeRODriver:
             prefetch=config.prefetch,
             reshard_after_forward=config.reshard_after_forward,
             accumulate=config.accumulate,
+            quantize_weights=config.quantize_weights,
+            quantize_grads=config.quantize_grads,
             bucket_numel=bucket_numel(config.bucket_size_mb, module),
             shard_size=shard_size,
         )

@@ -25,6 +25,7 @@ from lightning_zero.driver.checkpointing import check_checkpoint_io
 from lightning_zero.driver.config import Accumulate, CheckpointFormat, NonFinitePolicy, StartMethod, ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
 from lightning_zero.engine.comm.mesh import ShardSize
+from lightning_zero.engine.comm.quantized import Quantization
 from lightning_zero.engine.comm.sequence import CollectiveChecks
 from lightning_zero.engine.sharded_model import ShardedModel
 
@@ -143,6 +144,8 @@ class ZeROOptions:
         activation_checkpointing_policy: set[type[Module] | str] | Callable[..., bool] | None = None,
         accumulate: Accumulate | None = None,
         async_save: bool = False,
+        quantize_weights: Quantization | None = None,
+        quantize_grads: Quantization | None = None,
         **lightning_arguments: Any,
     ) -> None:
         self.driver = ZeRODriver(
@@ -169,6 +172,8 @@ class ZeROOptions:
                 activation_checkpointing_policy=activation_checkpointing_policy,
                 accumulate=accumulate,
                 async_save=async_save,
+                quantize_weights=quantize_weights,
+                quantize_grads=quantize_grads,
             )
         )
         super().__init__(**lightning_arguments)
@@ -229,6 +234,8 @@ class ZeROOptions:
     activation_checkpointing_policy = Option()
     accumulate = Option()
     async_save = Option()
+    quantize_weights = Option()
+    quantize_grads = Option()
 
 
 def _door_signature(cls: type) -> inspect.Signature:

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 
 from lightning_zero.engine.comm.comm import Comm
 from lightning_zero.engine.comm.mesh import ShardGroups, ShardSize, resolve_shard_size
+from lightning_zero.engine.comm.quantized import check_quantization
 from lightning_zero.engine.core.grouping import ROOT_NAME, UnitPolicy, bucket_units, plan_units
 from lightning_zero.engine.core.layout import ParamShard
 from lightning_zero.engine.core.ledger import GatherLedger
@@ -102,10 +103,13 @@ class ShardedModel:
         shard_size: ShardSize = None,
         offload_params: bool = False,
         accumulate: str = "sharded",
+        quantize_weights: str | None = None,
+        quantize_grads: str | None = None,
     ) -> None:
         if stage not in STAGES:
             raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
         check_offload_params(stage, offload_params)
+        check_quantize(stage, quantize_weights, quantize_grads)
         # Checked before anything else, on every rank alike (see [Note: hybrid sharding] in mesh.py).
         size = resolve_shard_size(shard_size, comm.world_size, _local_world_size())
         plans = plan_units(module, policy)
@@ -152,6 +156,8 @@ class ShardedModel:
                 full=full,
                 replicate=self.replicate_comm,
                 offload_params=offload_params,
+                quantize_weights=quantize_weights,
+                quantize_grads=quantize_grads,
             )
 
         # See [Note: pretrained weights under meta init] in pretrained.py: names resolved before the replay.
@@ -802,3 +808,27 @@ def _storage_bytes(tensors: Any) -> int:
 
 def _name_in(unit: ShardedUnit, param: nn.Parameter) -> str:
     return next(name for p, name in zip(unit.params, unit.param_names) if p is param)
+
+
+def check_quantize(stage: int, quantize_weights: object, quantize_grads: object) -> None:
+    """Refuse a quantization the stage cannot apply, saying which stage can (see [Note: quantized collectives] in
+    ``comm/quantized.py``).
+
+    Example::
+
+        check_quantize(3, "int8", "int8")   # fine
+        check_quantize(2, "int8", None)     # ValueError: quantize_weights='int8' needs stage 3: ...
+    """
+    check_quantization("quantize_weights", quantize_weights)
+    check_quantization("quantize_grads", quantize_grads)
+    if quantize_weights is not None and stage != 3:
+        raise ValueError(
+            f"quantize_weights={quantize_weights!r} needs stage 3: stage {stage} gathers the parameters once after "
+            "each optimizer step and keeps them, exactly, so no gather moves weights for compute. Use "
+            "ZeRO3Strategy, or quantize_grads for the reduce-scatter of stage 2."
+        )
+    if quantize_grads is not None and stage == 1:
+        raise ValueError(
+            f"quantize_grads={quantize_grads!r} needs stage 2 or 3 (the gradients' reduce-scatter from backward); "
+            "stage 1 reduces once per step, exactly. Use ZeRO2Strategy or ZeRO3Strategy."
+        )

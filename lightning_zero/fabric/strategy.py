@@ -61,8 +61,9 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
     ``offload_optimizer``), ``meta_init`` (what
     ``fabric.init_module()`` does), ``bucket_size_mb``, ``prefetch``, ``reshard_after_forward``,
     ``shard_size`` (hybrid sharding: ``None``, a number of ranks per shard group, or ``"node"``),
-    ``start_method``, ``activation_checkpointing_policy`` and ``accumulate`` (``"local"``: the micro-batches run
-    under ``fabric.no_backward_sync(model)`` add up full gradients and reduce once). ``accelerator``,
+    ``start_method``, ``activation_checkpointing_policy``, ``accumulate`` (``"local"``: the micro-batches run
+    under ``fabric.no_backward_sync(model)`` add up full gradients and reduce once), ``async_save``,
+    ``quantize_weights`` and ``quantize_grads`` (``"int8"`` collectives). ``accelerator``,
     ``parallel_devices``, ``cluster_environment``,
     ``checkpoint_io`` and ``precision`` are normally left to ``Fabric``.
     """

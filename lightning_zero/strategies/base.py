@@ -143,6 +143,11 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
             micro-batch into the sharded gradient; ``"local"`` adds up the full gradients on each rank and
             reduce-scatters once per optimizer step, as DDP and stage 1 do (a k-th of the traffic, DDP's bits, the
             full gradients' memory during the step). Stage 1 always accumulates locally and refuses ``"sharded"``.
+        async_save: Write checkpoints in the background (also turned on by Lightning's ``AsyncCheckpointIO``).
+        quantize_weights: ``"int8"`` (stage 3): every gather of a unit for compute moves int8 values with one fp32
+            scale per 256 elements; masters, optimizer and checkpoints stay exact. Example:
+            ``ZeRO3Strategy(quantize_weights="int8", quantize_grads="int8")``. See ``docs/performance.md``.
+        quantize_grads: ``"int8"`` (stages 2 and 3): each unit's reduce-scatter moves int8 chunks, summed in fp32.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             As for any Lightning ``ParallelStrategy``; normally left to the ``Trainer``.
     """

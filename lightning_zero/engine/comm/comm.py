@@ -391,6 +391,33 @@ class Comm(CollectiveSequence):
                 return None
             return pending.then(add_up)
 
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        source: torch.Tensor,
+        kind: str = "all_to_all",
+        name: str = "",
+        async_op: bool = False,
+    ) -> Pending | None:
+        """Row ``q`` of ``source`` (W rows) to rank ``q``, landing in row ``r`` of its ``output``: what a quantized
+        reduce-scatter moves (``kind="reduce_scatter"`` counts it as one; see ``quantized.py``). With ``async_op``,
+        return a ``Pending`` to wait on before ``output`` is read."""
+        if self._skip:
+            output.copy_(source)
+            return Pending(self.stats, kind, None) if async_op else None
+        with label(_LABELS.get(kind, f"ZeRO::{kind}")):
+            describe = self._checker._before(kind, name, source.numel(), guard=False)
+            return self._timed(
+                kind,
+                self._ring_bytes(source),
+                describe,
+                dist.all_to_all_single,
+                output,
+                source,
+                group=self.group,
+                async_op=async_op,
+            )
+
     def all_reduce(
         self,
         tensor: torch.Tensor,

@@ -132,6 +132,7 @@ from torch import nn
 
 from lightning_zero.engine.comm.comm import Comm, Pending
 from lightning_zero.engine.comm.labels import label
+from lightning_zero.engine.comm.quantized import all_gather_quantized
 from lightning_zero.engine.core.layout import ParamShard, ShardLayout
 from lightning_zero.engine.core.ledger import GatherLedger
 from lightning_zero.engine.core.param_checks import check_unit_params
@@ -236,6 +237,8 @@ class ShardedUnit:
         full: torch.Tensor | None = None,
         replicate: Comm | None = None,
         offload_params: bool = False,
+        quantize_weights: str | None = None,
+        quantize_grads: str | None = None,
     ) -> None:
         check_unit_params(name, params, param_names)
         if offload_params and not reshard_after_forward:
@@ -260,6 +263,10 @@ class ShardedUnit:
         self.offload = offload or offload_params  # parameters on the host imply the master there too
         self.offload_params = offload_params
         self.master_device = torch.device("cpu") if self.offload else self.device
+        # See [Note: quantized collectives] in comm/quantized.py: the gathers for compute, and the reduce-scatters.
+        self.quantize_weights = quantize_weights if reshard_after_forward and not comm.skips_collectives else None
+        self.quantize_grads = quantize_grads if not comm.skips_collectives else None
+        self.holds_quantized = False  # ``flat`` holds dequantized values of a quantized gather, not the master's
         self.separate_master = self.dtype != self.master_dtype or self.offload
         self._pin = self.offload and self.device.type == "cuda"  # see [Note: offload copies]
 
@@ -381,9 +388,11 @@ class ShardedUnit:
                 with torch.no_grad():
                     # Which unit is gathered when depends on the model's control flow: checked (see
                     # [Note: collective checks] in sequence.py).
-                    self._gathering = self.comm.all_gather(
-                        self.flat, self._gather_source(), name=self.name, guard=True, async_op=async_op
+                    gather = all_gather_quantized if self.quantize_weights else Comm.all_gather
+                    self._gathering = gather(
+                        self.comm, self.flat, self._gather_source(), name=self.name, guard=True, async_op=async_op
                     )
+                    self.holds_quantized = self.quantize_weights is not None
             self.state = UnitState.UNSHARDED
         if not async_op:
             self.wait_gather()
@@ -532,6 +541,7 @@ class ShardedUnit:
                 return None
             self.wait_gather()
             with label("ZeRO::gather", self.name):
+                self.holds_quantized = False  # gathered exactly (see [Note: quantized collectives])
                 return self.comm.all_gather(self.flat, self._gather_source(), name=self.name, async_op=async_op)
 
     def after_master_loaded(self) -> None:
@@ -553,7 +563,13 @@ class ShardedUnit:
         a collective whether or not the unit happens to be there already, so a read on one rank only fails the
         same way at every point of the loop."""
         self._finish_gather()
-        if self.state is UnitState.UNSHARDED and not self.separate_master and (purpose is None or self._exposed):
+        exact = not self.holds_quantized  # a quantized gather is for compute only: gathered again, exactly
+        if (
+            self.state is UnitState.UNSHARDED
+            and not self.separate_master
+            and exact
+            and (purpose is None or self._exposed)
+        ):
             return self.flat.detach().clone()
         full = torch.empty(self.layout.padded_numel, dtype=self.master_dtype, device=self.device)
         name = self.name if purpose is None else f"{self.name} ({purpose})"
@@ -570,6 +586,7 @@ class ShardedUnit:
             self._refresh_shard()
             if self.state is UnitState.UNSHARDED:
                 self.flat.copy_(full)
+                self.holds_quantized = False
 
     def release_without_peers(self) -> None:
         """After a failure other ranks may not share: make the parameters safe to touch without any

@@ -22,6 +22,7 @@ import torch
 
 from lightning_zero.engine.comm.comm import Pending
 from lightning_zero.engine.comm.labels import label
+from lightning_zero.engine.comm.quantized import reduce_scatter_quantized
 from lightning_zero.engine.core.layout import ShardLayout
 from lightning_zero.engine.core.unit import HALF_DTYPES, ShardedUnit
 
@@ -123,7 +124,10 @@ def _issue_reduction(
     if divide_first:
         flat_grad.div_(world)
     out = torch.empty(width, dtype=unit.reduce_dtype, device=unit.device)
-    pending = unit.comm.reduce_scatter(out, flat_grad, name=unit.name, async_op=async_op)
+    if unit.quantize_grads:  # see [Note: quantized collectives] in comm/quantized.py
+        pending = reduce_scatter_quantized(unit.comm, out, chunks, name=unit.name, async_op=async_op)
+    else:
+        pending = unit.comm.reduce_scatter(out, flat_grad, name=unit.name, async_op=async_op)
     divisor = world if world > 1 and not divide_first else None
     return ReducedGrads(unit, out, had_grad, pending, flat_grad, give_back, divisor)
 
