@@ -80,7 +80,7 @@ class DryRunReport:
     units: int
     steps: int
     model_state_bytes: dict[str, int]  # at rest after the last step: params, master_params, grads, optimizer_states
-    theory_model_state_bytes: float  # 16Ψ/S for fp32 Adam (S: the shard group), without padding
+    theory_model_state_bytes: float  # 16Ψ/S for fp32 Adam (S: the shard group; 8Ψ/S under bf16-true), no padding
     peak_gathered_bytes: int  # stage 3's gathered units at their most, in the last step
     units_at_peak: list[str]
     reduce_buffer_bytes: int  # the bound on the reduce-scatter buffers in flight or kept (the two largest units)
@@ -88,6 +88,7 @@ class DryRunReport:
     bytes_sent_per_step: dict[str, dict[str, int]]  # by Comm ("world"; hybrid: "shard", "replicate"), then by kind
     calls_per_step: dict[str, dict[str, int]]
     theory_bytes_sent_per_step: float  # 2Ψ or 3Ψ elements x (S-1)/S, plus the replica all-reduce under hybrid
+    # (gathers in the compute dtype, reductions in fp32)
     estimate: dict[str, Any]  # the estimator's row for the same configuration
     wall_seconds: float
     peak_rss_bytes: int
@@ -270,7 +271,9 @@ def dry_run(
         device = torch.device("cpu")
         plugin = ZeROPrecision(precision)  # type: ignore[arg-type]
         factory = _factory(target, init_kwargs or {})
-        with driver.recording_init(device):
+        # In the precision's init context, as Lightning builds the model for the strategies (bf16-true: the layers
+        # are made in bf16, and the cast at setup has nothing left to do).
+        with driver.recording_init(device), plugin.module_init_context():
             module = factory()
             if hasattr(module, "configure_model"):
                 module.configure_model()
@@ -337,7 +340,7 @@ def _profile(
         return None, None
     if precision.endswith("-mixed"):  # autocast has no meta device: the profile would be the fp32 one
         return None, f"estimator: activations not profiled under {precision} (autocast does not run on meta)"
-    with torch.device("meta"):
+    with torch.device("meta"), plugin.module_init_context():
         copy = factory()
         if hasattr(copy, "configure_model"):
             copy.configure_model()
@@ -443,16 +446,21 @@ def _report(
 ) -> DryRunReport:
     numel = sum(p.numel() for p in _unique_params(module))
     shard = sharded.shard_size
-    theory = theory_bytes(config.stage, numel, shard)
+    # Bytes per element the theory assumes: a "-true" half precision keeps parameters, gradients and Adam's two
+    # states in the half type; fp32 and mixed precision keep fp32 ones (mixed: the master). Gathers move the compute
+    # dtype, reductions fp32 (the default reduce dtype of half-precision parameters).
+    held = 2 if precision.endswith("-true") and precision != "32-true" else 4
+    theory = theory_bytes(config.stage, numel, shard, held, held, 2 * held)
     sent: dict[str, dict[str, int]] = {}
     calls: dict[str, dict[str, int]] = {}
     for name, stats in after.items():
         delta = stats.since(before[name]) if name in before else stats
         sent[name] = {k: int(v.bytes_sent) for k, v in delta.by_kind.items() if v.calls}
         calls[name] = {k: int(v.calls) for k, v in delta.by_kind.items() if v.calls}
-    element = 4  # fp32 elements in the theory's 2Ψ / 3Ψ; an int8 row's bytes per element where quantized
+    element = 4  # reduced gradients, fp32; an int8 row's bytes per element where quantized
+    compute = 4 if precision == "32-true" else 2
     wire = WIRE_BYTES_PER_ELEMENT
-    gathered = (2 if config.stage == 3 else 1) * numel * (wire if config.quantize_weights else element)
+    gathered = (2 if config.stage == 3 else 1) * numel * (wire if config.quantize_weights else compute)
     reduced = numel * (wire if config.quantize_grads else element)
     traffic = (gathered + reduced) * (shard - 1) / shard
     if shard != world_size:  # each shard group's reduced gradient shard, all-reduced across the replicas

@@ -62,7 +62,14 @@ def test_dry_run_follows_the_theory_at_2_8_and_64_ranks() -> None:
         {"strategy": strategy, "world_size": world} for world in (2, 8, 64) for strategy in ("zero1", "zero2", "zero3")
     ] + [{"strategy": "zero3", "world_size": 64, "shard_size": 8}]
     recomputed = [{"strategy": s, "world_size": 2, "activation_checkpointing": ["Block"]} for s in ("zero1", "zero3")]
-    reports = _dry_runs(cases + recomputed)
+    half = {"strategy": "zero3", "world_size": 8, "precision": "bf16-true"}
+    reports = _dry_runs(cases + recomputed + [half])
+    # bf16-true: the theory in bf16 (8Ψ/S of state, bf16 gathers, fp32 reductions), and the run's figures on it.
+    report = reports.pop()
+    assert abs(report["model_state_total"] - report["theory_model_state_bytes"]) <= 0.05 * report["model_state_total"]
+    # Below 3Ψ by what is not gathered twice (the root unit, the last block of the forward: much of this small model).
+    assert 0.8 <= report["bytes_sent_total"] / report["theory_bytes_sent_per_step"] <= 1.0, report
+    assert abs(report["estimate"]["device_total"] - report["model_state_total"]) <= 0.05 * report["model_state_total"]
     # activation_checkpointing_policy={Block}: the same model state and traffic, a lower peak in the step (the blocks
     # keep only their inputs for backward; how much lower varies by some percent from run to run: see docs/memory.md).
     for case, report in zip(recomputed, reports[len(cases) :]):
