@@ -6,6 +6,7 @@ that stay exact while a unit is gathered quantized; the refusals; the estimator'
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -198,7 +199,7 @@ def test_the_estimator_and_the_dry_run_count_the_quantized_bytes_inside_the_shar
     )
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    plain, int8 = __import__("json").loads(done.stdout.strip().splitlines()[-1])
+    plain, int8 = json.loads(done.stdout.strip().splitlines()[-1])
     for kind in ("all_gather", "reduce_scatter"):
         assert 0.25 < int8["shard"][kind] / plain["shard"][kind] < 0.27, (kind, int8, plain)
     assert int8["replicate"] == plain["replicate"]

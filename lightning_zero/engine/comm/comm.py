@@ -95,7 +95,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _ONE_ALL_TO_ALL_BELOW = 1 << 16
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # See [Note: profiler labels] in labels.py: a collective's range, and that of a wait for one in flight.
-_LABELS = {kind: f"ZeRO::{kind}" for kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast")}
+_LABELS = {kind: f"ZeRO::{kind}" for kind in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "broadcast")}
 _WAIT_LABELS = {kind: f"ZeRO::wait_{kind}" for kind in _LABELS}
 
 
@@ -405,7 +405,7 @@ class Comm(CollectiveSequence):
         if self._skip:
             output.copy_(source)
             return Pending(self.stats, kind, None) if async_op else None
-        with label(_LABELS.get(kind, f"ZeRO::{kind}")):
+        with label(_LABELS[kind]):
             describe = self._checker._before(kind, name, source.numel(), guard=False)
             return self._timed(
                 kind,

@@ -36,6 +36,7 @@ written into the wire row), decoding two (a cast and a multiplication).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -144,13 +145,9 @@ def all_gather_quantized(
     def unpack() -> None:
         dequantize(received, numel, out=chunks)
 
-    pending = comm.all_gather(received.view(-1), own.view(-1), name=name, guard=guard, async_op=True)
-    assert pending is not None
-    pending.then(unpack)
-    if async_op:
-        return pending
-    pending.wait()
-    return None
+    return _then(
+        comm.all_gather(received.view(-1), own.view(-1), name=name, guard=guard, async_op=True), unpack, async_op
+    )
 
 
 def reduce_scatter_quantized(
@@ -173,9 +170,13 @@ def reduce_scatter_quantized(
         slots[rank] = chunks[rank, -1:].float()
         out[-1:].copy_(slots.sum(dim=0))
 
-    pending = comm.all_to_all(received, send, kind="reduce_scatter", name=name, async_op=True)
-    assert pending is not None
-    pending.then(add_up)
+    return _then(comm.all_to_all(received, send, kind="reduce_scatter", name=name, async_op=True), add_up, async_op)
+
+
+def _then(pending: Pending | None, finish: Callable[[], None], async_op: bool) -> Pending | None:
+    """``finish`` once the collective ``pending`` is done: returned in flight with ``async_op``, else waited for."""
+    assert pending is not None  # issued with async_op=True
+    pending.then(finish)
     if async_op:
         return pending
     pending.wait()
