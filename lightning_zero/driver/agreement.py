@@ -10,6 +10,7 @@ The Trainer's loops agree on more (which step, epoch and phase, uneven evaluatio
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -21,14 +22,17 @@ from torch.nn import Module
 
 from lightning_zero.engine.comm.comm import Comm
 from lightning_zero.engine.comm.control import ControlChannel
+from lightning_zero.engine.core.placeholder import passthrough
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 PHASES = ("training", "validation", "sanity check", "test", "predict", "step")
 
 
 def trainable_hash(params: Iterable[Tensor]) -> int:
     """A number that differs between ranks whose parameters (``module.parameters()``, or the sharded model's
     ``params``: any order that is the same on every rank) differ in which require a gradient."""
-    return zlib.crc32(bytes(int(p.requires_grad) for p in params))
+    with passthrough():  # a hidden or arriving parameter's attribute costs a ``__torch_function__`` call otherwise
+        return zlib.crc32(bytes(map(_REQUIRES_GRAD, params)))
 
 
 def agree_on_trainable_set(comm: Comm, module: Module) -> None:

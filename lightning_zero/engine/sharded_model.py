@@ -418,22 +418,25 @@ class ShardedModel:
             unit.adopt_rebound_data()
             unit.check_no_hidden_writes()
             unit.reveal()  # the optimizer works on the parameters themselves (see [Note: reading a sharded parameter])
-            for param, shard_param in zip(unit.params, unit.shard_params):
+            # What each parameter shows now (``adopt_rebound_data`` just made sure of it), put back by ``_exit_shards``.
+            shown = unit.shown_data()
+            for param, shard_param, data in zip(unit.params, unit.shard_params, shown):
                 if shard_param.grad is not None and not reducer.has_marker(param):
                     shard_param.grad = None  # the user zeroed it (see [Note: gradient markers] in grads.py)
                 reducer.clear_marker(param)
-                saved.append((param, shard_param, param.data))
-                param.data = shard_param.data
+                saved.append((param, shard_param, data))
+                param.data = shard_param  # (its values, as ``shard_param.data`` would give, without a new tensor)
                 param.grad = shard_param.grad
         self._on_shards = saved
 
     def _exit_shards(self) -> None:
         assert self._on_shards is not None
         for param, shard_param, data in self._on_shards:
-            shard_param.grad = param.grad
+            grad = param.grad
+            shard_param.grad = grad
             param.grad = None
             param.data = data
-            if shard_param.grad is not None:
+            if grad is not None:
                 self.reducer.put_marker(param)
         for unit in self._on_shards_units:
             unit.conceal_if_sharded()

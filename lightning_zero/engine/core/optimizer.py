@@ -103,6 +103,9 @@ def check_optimizer_params(optimizer: Optimizer, known: AbstractSet[int], module
     """Raise ``ValueError`` if a param group holds a tensor that is not a parameter of the sharded module (whose
     ``id``s are ``known``; ids, not the tensors, so that no tensor ``__hash__`` runs: this runs every step), or
     one parameter twice. ``module``: the sharded module, to tell a parameter registered on it after setup."""
+    ids = [id(param) for group in optimizer.param_groups for param in group["params"]]
+    if len(set(ids)) == len(ids) and known.issuperset(ids):
+        return  # the common case, in three C-level passes; the loop below says what is wrong otherwise
     seen: set[int] = set()
     for group in optimizer.param_groups:
         for param in group["params"]:

@@ -126,6 +126,7 @@ times as many bytes) usually hides.
 from __future__ import annotations
 
 import enum
+import operator
 
 import torch
 from torch import nn
@@ -147,6 +148,8 @@ from lightning_zero.engine.core.placeholder import (
 )
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+_VERSION = operator.attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 class UnitState(enum.Enum):
@@ -255,6 +258,7 @@ class ShardedUnit:
         self.reshard_after_forward = reshard_after_forward
         self.layout = ShardLayout.from_shapes([p.shape for p in params], comm.world_size)
         self.param_shards: list[ParamShard] = self.layout.param_shards(comm.rank)
+        self._piece_split = _piece_split(self.param_shards, self.layout.shard_numel)
         self.master_dtype = params[0].dtype
         self.dtype = param_dtype or self.master_dtype
         # Gradients of half-precision parameters are summed in fp32 unless asked otherwise (accuracy).
@@ -453,12 +457,16 @@ class ShardedUnit:
     def record_hidden_versions(self) -> None:
         """Remember the parameters' version counters while they are placeholders (see [Note: parameters outside
         their unit's use]); called by ``reshard()`` and after anything of ours that writes them legitimately."""
-        self._versions_when_hidden = [p._version for p in self.params]
+        with passthrough():  # a hidden parameter's attribute costs a ``__torch_function__`` call otherwise
+            self._versions_when_hidden = list(map(_VERSION, self.params))
 
     def check_no_hidden_writes(self) -> None:
         """Raise ``ShardedParameterWriteError`` if user code wrote into a placeholder since ``reshard()``."""
         if self._exposed or not self._versions_when_hidden:
             return
+        with passthrough():
+            if list(map(_VERSION, self.params)) == self._versions_when_hidden:
+                return
         for param, name, version in zip(self.params, self.param_names, self._versions_when_hidden):
             if param._version != version:
                 raise ShardedParameterWriteError(
@@ -478,6 +486,8 @@ class ShardedUnit:
 
     def _adopt_rebound_data(self) -> None:
         expected = self._views if self._exposed else self._placeholders
+        if list(map(_DATA_PTR, self.params)) == list(map(_DATA_PTR, expected)):
+            return  # nothing rebound (the common case, checked in C; the loop below also lets empty parameters be)
         adopted = False
         for index, (param, want) in enumerate(zip(self.params, expected)):
             if param.data_ptr() == want.data_ptr() or param.numel() == 0:
@@ -526,6 +536,20 @@ class ShardedUnit:
     def _on_master_piece(self, param: nn.Parameter, index: int) -> bool:
         piece = self.shard_params[index]
         return param.data_ptr() == piece.data_ptr() and param.shape == piece.shape
+
+    def shown_data(self) -> list[torch.Tensor]:
+        """What each parameter's ``.data`` is now, once ``adopt_rebound_data`` has run: its view of the gathered
+        values, or its placeholder (an empty parameter keeps whatever it was given: nothing is adopted for it)."""
+        expected = self._views if self._exposed else self._placeholders
+        return [p.data if p.numel() == 0 else want for p, want in zip(self.params, expected)]
+
+    def piece_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's piece of ``shard`` (a 1-D tensor laid out as this rank's shard, such as its sharded
+        gradient), as views in parameter order: ``shard[piece.shard_offset : piece.shard_offset + piece.numel]``
+        for every piece, made by one ``split`` (a slice per parameter costs microseconds of Python each)."""
+        sizes, picks = self._piece_split
+        parts = shard.split_with_sizes(sizes)
+        return [parts[i] for i in picks]
 
     def _set_param_data(self, tensors: list[torch.Tensor]) -> None:
         for param, data in zip(self.params, tensors):
@@ -733,3 +757,24 @@ def placeholder_like(param: torch.Tensor) -> torch.Tensor:
     """A parameter's stand-in while its unit is sharded: one NaN element expanded to the parameter's shape
     (see [Note: parameters outside their unit's use])."""
     return torch.full((), float("nan"), dtype=param.dtype, device=param.device).expand(param.shape)
+
+
+def _piece_split(pieces: list[ParamShard], shard_numel: int) -> tuple[list[int], list[int]]:
+    """The ``split_with_sizes`` of a shard that yields every piece of ``pieces`` (see ``ShardedUnit.piece_views``):
+    the sizes, gaps included, and which part is each piece. Pieces lie in parameter order along the shard (the flat
+    layout is the parameters side by side); an empty piece is an empty part where the previous one ends."""
+    sizes: list[int] = []
+    picks: list[int] = []
+    cursor = 0
+    for piece in pieces:
+        if piece.numel and piece.shard_offset > cursor:
+            sizes.append(piece.shard_offset - cursor)  # padding, or a piece of another parameter
+            cursor = piece.shard_offset
+        if piece.numel and piece.shard_offset < cursor:
+            raise AssertionError(f"shard pieces out of order: {pieces}")
+        picks.append(len(sizes))
+        sizes.append(piece.numel)
+        cursor += piece.numel
+    if cursor < shard_numel:
+        sizes.append(shard_numel - cursor)
+    return sizes, picks

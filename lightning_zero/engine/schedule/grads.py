@@ -244,17 +244,24 @@ class GradReducer:
         self._handles.clear()
 
     def _make_hook(self, unit: ShardedUnit, index: int) -> Callable[[torch.Tensor], None]:
+        ready = self._ready[unit]
+
         def hook(_param: torch.Tensor) -> None:
-            self.queue_finish()
+            # Runs once per parameter per backward pass: the common case (the unit is not complete yet) returns
+            # after a few attribute reads, with no call of its own.
+            if not self._callback_queued:
+                self.queue_finish()
             if not self.sync_enabled:
                 # See [Note: local accumulation]: nothing is reduced, but a unit done with is done with.
                 if self.after_unit_reduced is not None:
-                    self._ready[unit].add(index)
+                    ready.add(index)
                     if self._is_complete(unit):
                         self.after_unit_reduced(unit)
                 return
-            self._ready[unit].add(index)
-            if not self.order_agreed and self._is_complete(unit) and unit not in self._completed:
+            ready.add(index)
+            if not self._is_complete(unit):
+                return  # neither this unit nor any after it in the order can be reduced yet
+            if not self.order_agreed and unit not in self._completed:
                 self._completed.append(unit)
             self._reduce_ready_in_order()
 
@@ -262,7 +269,8 @@ class GradReducer:
 
     def _make_marker_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
         def hook(_grad: torch.Tensor) -> None:
-            self._take_marker(param)
+            if param.grad is not None:  # (None in the common case: zero_grad() removed the marker)
+                self._take_marker(param)
 
         return hook
 
@@ -278,14 +286,14 @@ class GradReducer:
     def put_marker(self, param: nn.Parameter) -> None:
         """Show that ``param`` has a sharded gradient (``param.grad`` becomes its marker)."""
         marker = self._markers.get(id(param))
-        if (
-            marker is None
-            or marker.shape != param.shape
-            or marker.dtype != param.dtype
-            or marker.device != param.device
-        ):
-            marker = self._markers[id(param)] = GradMarker(param)
-        marker.zeroed = False
+        if marker is not None:
+            marker.zeroed = False
+            try:
+                param.grad = marker  # autograd checks shape, dtype and device: a marker that no longer fits is refused
+                return
+            except RuntimeError:
+                pass
+        marker = self._markers[id(param)] = GradMarker(param)
         param.grad = marker
 
     def is_marker(self, param: nn.Parameter) -> bool:
@@ -499,11 +507,9 @@ class GradReducer:
             fresh = all(sp.grad is None for sp, p in zip(unit.shard_params, unit.params) if p.requires_grad)
             # Known exactly only when checked and these gradients are not added to earlier ones (accumulation).
             unit.grads_finite = not nonfinite_anywhere[number] if fresh and nonfinite_anywhere is not None else None
-            for index, piece in enumerate(unit.param_shards):
-                param = unit.params[index]
-                shard_param = unit.shard_params[index]
+            regions = unit.piece_views(shard_grad)
+            for index, (param, shard_param, region) in enumerate(zip(unit.params, unit.shard_params, regions)):
                 if used[position + index] and param.requires_grad:
-                    region = shard_grad[piece.shard_offset : piece.shard_offset + piece.numel]
                     if shard_param.grad is None:
                         shard_param.grad = region
                     else:

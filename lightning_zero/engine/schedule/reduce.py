@@ -63,14 +63,15 @@ def reduce_grads(
         if unit.layout.padded_numel <= _CONCATENATED_UP_TO and all(g is not None for g in grads):
             # A small unit with every gradient: one concatenation and one copy into the chunks, two dispatches in
             # place of a few per parameter (on a small model, the Python around them is most of the cost).
+            everything = [True] * len(grads)
             padding = unit.layout.padded_numel - unit.layout.numel
-            pieces = [g.reshape(-1) for g in grads]
             if padding:
-                pieces.append(grads[0].new_zeros(padding))
-            chunks[:, :-1].copy_(torch.cat(pieces).view(unit.layout.world_size, width - 1))
+                grads.append(grads[0].new_zeros(padding))
+            # (torch's own flatten: the reshapes and the concatenation in C++, not one Python call per gradient)
+            flat = torch._C._nn.flatten_dense_tensors(grads)
+            chunks[:, :-1].copy_(flat.view(unit.layout.world_size, width - 1))
             for param in unit.params:
                 param.grad = None
-            everything = [True] * len(grads)
             return _issue_reduction(unit, flat_grad, chunks, everything, False, check_finite, async_op, give_back)
         had_grad = []
         unused_here = False
