@@ -43,7 +43,7 @@ from lightning_zero.engine.full_state import (
 from lightning_zero.engine.meta.init_trace import InitTrace
 from lightning_zero.engine.meta.materialize import has_meta_tensors, materialize_units
 from lightning_zero.engine.meta.pretrained import load_weight_shards, resolve_weight_loads
-from lightning_zero.engine.schedule.grads import GradReducer
+from lightning_zero.engine.schedule.grads import GradMarker, GradReducer
 from lightning_zero.engine.schedule.stage3 import Stage3Hooks
 
 if TYPE_CHECKING:
@@ -411,6 +411,7 @@ class ShardedModel:
     def _enter_shards(self, optimizer: Optimizer) -> None:
         check_optimizer_params(optimizer, self._own_ids, self.module)  # e.g. add_param_group with a foreign tensor
         reducer = self.reducer
+        carry = reducer.carry
         saved = []
         self._on_shards_units = self.units_of(optimizer)
         for unit in self._on_shards_units:
@@ -421,9 +422,11 @@ class ShardedModel:
             # What each parameter shows now (``adopt_rebound_data`` just made sure of it), put back by ``_exit_shards``.
             shown = unit.shown_data()
             for param, shard_param, data in zip(unit.params, unit.shard_params, shown):
-                if shard_param.grad is not None and not reducer.has_marker(param):
-                    shard_param.grad = None  # the user zeroed it (see [Note: gradient markers] in grads.py)
-                reducer.clear_marker(param)
+                if shard_param.grad is not None:
+                    marker = param.grad  # (``reducer.has_marker``, inline: this loop runs per parameter per step)
+                    if not ((isinstance(marker, GradMarker) and not marker.zeroed) or id(param) in carry):
+                        shard_param.grad = None  # the user zeroed it (see [Note: gradient markers] in grads.py)
+                carry.discard(id(param))  # (the rest of ``clear_marker``: the marker is replaced below)
                 saved.append((param, shard_param, data))
                 param.data = shard_param  # (its values, as ``shard_param.data`` would give, without a new tensor)
                 param.grad = shard_param.grad
@@ -432,13 +435,11 @@ class ShardedModel:
     def _exit_shards(self) -> None:
         assert self._on_shards is not None
         for param, shard_param, data in self._on_shards:
-            grad = param.grad
-            shard_param.grad = grad
+            shard_param.grad = param.grad
             param.grad = None
             param.data = data
-            if grad is not None:
-                self.reducer.put_marker(param)
         for unit in self._on_shards_units:
+            self.reducer.put_markers(unit.params, unit.shard_params)
             unit.conceal_if_sharded()
             unit.record_hidden_versions()  # the optimizer's in-place updates count as writes
         self._on_shards = None

@@ -380,13 +380,14 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        assert self.lightning_module is not None
-        if self.lightning_module.automatic_optimization:
-            self.sharded_model.end_step()
-        self.sharded_model.after_optimizer_step(_unwrap(optimizer))
         module = self.lightning_module
-        if module.automatic_optimization and _another_step_follows(module.trainer):
-            self.sharded_model.gather_for_next_step()  # every rank has just stepped: see its docstring
+        assert module is not None
+        sharded = self.sharded_model
+        if module.automatic_optimization:
+            sharded.end_step()
+        sharded.after_optimizer_step(_unwrap(optimizer))
+        if sharded.stage3 is not None and module.automatic_optimization and _another_step_follows(module.trainer):
+            sharded.gather_for_next_step()  # every rank has just stepped: see its docstring
         if self.log_stats:
             trainer = self.lightning_module.trainer
             self._step_stats.log(trainer, self.sharded_model, self.root_device, self.skipped_steps)

@@ -259,6 +259,7 @@ class ShardedUnit:
         self.layout = ShardLayout.from_shapes([p.shape for p in params], comm.world_size)
         self.param_shards: list[ParamShard] = self.layout.param_shards(comm.rank)
         self._piece_split = _piece_split(self.param_shards, self.layout.shard_numel)
+        self._empty = [index for index, p in enumerate(params) if p.numel() == 0]  # (shapes never change)
         self.master_dtype = params[0].dtype
         self.dtype = param_dtype or self.master_dtype
         # Gradients of half-precision parameters are summed in fp32 unless asked otherwise (accuracy).
@@ -540,8 +541,10 @@ class ShardedUnit:
     def shown_data(self) -> list[torch.Tensor]:
         """What each parameter's ``.data`` is now, once ``adopt_rebound_data`` has run: its view of the gathered
         values, or its placeholder (an empty parameter keeps whatever it was given: nothing is adopted for it)."""
-        expected = self._views if self._exposed else self._placeholders
-        return [p.data if p.numel() == 0 else want for p, want in zip(self.params, expected)]
+        shown = list(self._views if self._exposed else self._placeholders)
+        for index in self._empty:
+            shown[index] = self.params[index].data
+        return shown
 
     def piece_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's piece of ``shard`` (a 1-D tensor laid out as this rank's shard, such as its sharded

@@ -103,6 +103,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -115,11 +116,13 @@ from torch.autograd import Variable
 
 from lightning_zero.engine.comm.comm import Comm
 from lightning_zero.engine.comm.labels import label
+from lightning_zero.engine.core.placeholder import passthrough
 from lightning_zero.engine.core.unit import ShardedUnit
 from lightning_zero.engine.errors import ShardedGradientError
 from lightning_zero.engine.schedule.reduce import ReducedGrads, reduce_grads, reduce_numel
 
 UnitCallback = Callable[[ShardedUnit], None]
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _aten = torch.ops.aten
 
 
@@ -259,7 +262,8 @@ class GradReducer:
                         self.after_unit_reduced(unit)
                 return
             ready.add(index)
-            if not self._is_complete(unit):
+            expected = self._expected.get(unit)  # (``_is_complete``, inline once it is known)
+            if not (len(ready) == expected if expected is not None else self._is_complete(unit)):
                 return  # neither this unit nor any after it in the order can be reduced yet
             if not self.order_agreed and unit not in self._completed:
                 self._completed.append(unit)
@@ -286,15 +290,41 @@ class GradReducer:
     def put_marker(self, param: nn.Parameter) -> None:
         """Show that ``param`` has a sharded gradient (``param.grad`` becomes its marker)."""
         marker = self._markers.get(id(param))
-        if marker is not None:
-            marker.zeroed = False
-            try:
-                param.grad = marker  # autograd checks shape, dtype and device: a marker that no longer fits is refused
-                return
-            except RuntimeError:
-                pass
+        if marker is None:
+            self._new_marker(param)
+            return
+        marker.zeroed = False
+        try:
+            param.grad = marker  # autograd checks shape, dtype and device: a marker that no longer fits is refused
+        except RuntimeError:
+            self._new_marker(param)
+
+    def _new_marker(self, param: nn.Parameter) -> None:
         marker = self._markers[id(param)] = GradMarker(param)
         param.grad = marker
+
+    def put_markers(self, params: list[nn.Parameter], shard_params: list[nn.Parameter]) -> None:
+        """``put_marker`` for each parameter whose ``shard_param`` holds a sharded gradient (the step path's loop:
+        one call per unit, the marker's lookup inline)."""
+        markers = self._markers
+        for param, shard_param in zip(params, shard_params):
+            if shard_param.grad is None:
+                continue
+            marker = markers.get(id(param))
+            if marker is None:
+                self._new_marker(param)
+                continue
+            marker.zeroed = False
+            try:
+                param.grad = marker
+            except RuntimeError:
+                self._new_marker(param)
+
+    @property
+    def carry(self) -> set[int]:
+        """The ``id``s of the parameters whose marker a backward pass took off intact: their sharded gradient
+        accumulates (see ``has_marker``)."""
+        return self._carry
 
     def is_marker(self, param: nn.Parameter) -> bool:
         """Whether ``param.grad`` is a marker (rather than ``None`` or a full gradient)."""
@@ -354,7 +384,8 @@ class GradReducer:
     def _is_complete(self, unit: ShardedUnit) -> bool:
         expected = self._expected.get(unit)
         if expected is None:  # first look in this backward pass (see [Note: trainable sets that change])
-            expected = self._expected[unit] = sum(p.requires_grad for p in unit.params)
+            with passthrough():  # (the unit may be sharded now: its parameters are placeholders)
+                expected = self._expected[unit] = sum(map(_REQUIRES_GRAD, unit.params))
         return len(self._ready[unit]) == expected
 
     def _reduce_ready_in_order(self) -> None:
@@ -362,12 +393,14 @@ class GradReducer:
             self._reduce(self.order[self._next])
 
     def _reduce(self, unit: ShardedUnit) -> None:
-        if not any(p.requires_grad for p in unit.params):
+        if not any(map(_REQUIRES_GRAD, unit.params)):
             self._next += 1  # nothing to reduce, on any rank
             return
+        carry = self._carry
         for param, shard_param in zip(unit.params, unit.shard_params):
-            self._take_marker(param)  # of a parameter this backward did not reach
-            if id(param) not in self._carry:
+            if isinstance(param.grad, GradMarker):
+                self._take_marker(param)  # of a parameter this backward did not reach
+            if id(param) not in carry:
                 shard_param.grad = None  # zeroed by the user: free it before the new one arrives
         size = _buffer_bytes(unit)
         while self._in_flight and self._in_flight_bytes() + size > self.max_in_flight_bytes:
@@ -497,25 +530,33 @@ class GradReducer:
     def _attach(self, pending: list[_Reduced], used: list[Any], nonfinite_anywhere: list[Any] | None) -> None:
         """Hand each reduced shard to the ``shard_params`` whose parameter some rank used (``used``, one entry
         per parameter of ``pending``'s units, in order); record ``grads_finite`` where it is known."""
+        with passthrough():  # stage 3 has freed most units by now: their parameters' ``.grad`` is read directly
+            self._attach_shards(pending, used, nonfinite_anywhere)
+
+    def _attach_shards(self, pending: list[_Reduced], used: list[Any], nonfinite_anywhere: list[Any] | None) -> None:
         position = 0
+        carry = self._carry
         for number, reduced in enumerate(pending):
             unit, shard_grad = reduced.unit, reduced.shard
-            for param, shard_param in zip(unit.params, unit.shard_params):
-                if not self.has_marker(param):  # zeroed by the user since the last reduction
-                    shard_param.grad = None
-                self._carry.discard(id(param))
-            fresh = all(sp.grad is None for sp, p in zip(unit.shard_params, unit.params) if p.requires_grad)
+            params, shard_params = unit.params, unit.shard_params
+            fresh = True  # no earlier sharded gradient is kept for a trainable parameter
+            for param, shard_param in zip(params, shard_params):
+                marker = param.grad  # (``has_marker``, inline: this loop runs per parameter per step)
+                if not ((isinstance(marker, GradMarker) and not marker.zeroed) or id(param) in carry):
+                    shard_param.grad = None  # zeroed by the user since the last reduction
+                elif fresh and shard_param.grad is not None and param.requires_grad:
+                    fresh = False
+                carry.discard(id(param))
             # Known exactly only when checked and these gradients are not added to earlier ones (accumulation).
             unit.grads_finite = not nonfinite_anywhere[number] if fresh and nonfinite_anywhere is not None else None
             regions = unit.piece_views(shard_grad)
-            for index, (param, shard_param, region) in enumerate(zip(unit.params, unit.shard_params, regions)):
+            for index, (param, shard_param, region) in enumerate(zip(params, shard_params, regions)):
                 if used[position + index] and param.requires_grad:
                     if shard_param.grad is None:
                         shard_param.grad = region
                     else:
                         shard_param.grad.add_(region)
-                if shard_param.grad is not None:
-                    self.put_marker(param)
+            self.put_markers(params, shard_params)
             position += len(reduced.had_grad)
 
     # ------------------------------------------------------------------ the recorded order (see [Note: reduce order])

@@ -16,7 +16,9 @@ Example::
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
+from itertools import repeat
 
 import torch
 
@@ -60,7 +62,7 @@ def reduce_grads(
         chunks = flat_grad.view(unit.layout.world_size, width)
         plan = _reduce_plan(unit.layout)  # where each parameter (and the padding) lands in the chunks
         grads = [p.grad for p in unit.params]
-        if unit.layout.padded_numel <= _CONCATENATED_UP_TO and all(g is not None for g in grads):
+        if unit.layout.padded_numel <= _CONCATENATED_UP_TO and all(map(operator.is_not, grads, repeat(None))):
             # A small unit with every gradient: one concatenation and one copy into the chunks, two dispatches in
             # place of a few per parameter (on a small model, the Python around them is most of the cost).
             everything = [True] * len(grads)
