@@ -43,7 +43,7 @@ from lightning_zero.engine.full_state import (
 from lightning_zero.engine.meta.init_trace import InitTrace
 from lightning_zero.engine.meta.materialize import has_meta_tensors, materialize_units
 from lightning_zero.engine.meta.pretrained import load_weight_shards, resolve_weight_loads
-from lightning_zero.engine.schedule.grads import GradMarker, GradReducer
+from lightning_zero.engine.schedule.grads import GradReducer
 from lightning_zero.engine.schedule.stage3 import Stage3Hooks
 
 if TYPE_CHECKING:
@@ -411,7 +411,6 @@ class ShardedModel:
     def _enter_shards(self, optimizer: Optimizer) -> None:
         check_optimizer_params(optimizer, self._own_ids, self.module)  # e.g. add_param_group with a foreign tensor
         reducer = self.reducer
-        carry = reducer.carry
         saved = []
         self._on_shards_units = self.units_of(optimizer)
         for unit in self._on_shards_units:
@@ -421,12 +420,10 @@ class ShardedModel:
             unit.reveal()  # the optimizer works on the parameters themselves (see [Note: reading a sharded parameter])
             # What each parameter shows now (``adopt_rebound_data`` just made sure of it), put back by ``_exit_shards``.
             shown = unit.shown_data()
+            # The sharded gradients the user zeroed are dropped (see [Note: gradient markers] in grads.py); the
+            # markers are replaced by the sharded gradients below, and put back by ``_exit_shards``.
+            reducer.drop_unwanted(unit.params, unit.shard_params)
             for param, shard_param, data in zip(unit.params, unit.shard_params, shown):
-                if shard_param.grad is not None:
-                    marker = param.grad  # (``reducer.has_marker``, inline: this loop runs per parameter per step)
-                    if not ((isinstance(marker, GradMarker) and not marker.zeroed) or id(param) in carry):
-                        shard_param.grad = None  # the user zeroed it (see [Note: gradient markers] in grads.py)
-                carry.discard(id(param))  # (the rest of ``clear_marker``: the marker is replaced below)
                 saved.append((param, shard_param, data))
                 param.data = shard_param  # (its values, as ``shard_param.data`` would give, without a new tensor)
                 param.grad = shard_param.grad

@@ -287,44 +287,38 @@ class GradReducer:
                 self._carry.add(id(param))
             param.grad = None
 
-    def put_marker(self, param: nn.Parameter) -> None:
-        """Show that ``param`` has a sharded gradient (``param.grad`` becomes its marker)."""
-        marker = self._markers.get(id(param))
-        if marker is None:
-            self._new_marker(param)
-            return
-        marker.zeroed = False
-        try:
-            param.grad = marker  # autograd checks shape, dtype and device: a marker that no longer fits is refused
-        except RuntimeError:
-            self._new_marker(param)
-
-    def _new_marker(self, param: nn.Parameter) -> None:
-        marker = self._markers[id(param)] = GradMarker(param)
-        param.grad = marker
-
     def put_markers(self, params: list[nn.Parameter], shard_params: list[nn.Parameter]) -> None:
-        """``put_marker`` for each parameter whose ``shard_param`` holds a sharded gradient (the step path's loop:
-        one call per unit, the marker's lookup inline)."""
+        """Show, for each parameter whose ``shard_param`` holds a sharded gradient, that it has one (``param.grad``
+        becomes its marker). One call per unit: this runs on the step path, the marker's lookup inline."""
         markers = self._markers
         for param, shard_param in zip(params, shard_params):
             if shard_param.grad is None:
                 continue
             marker = markers.get(id(param))
-            if marker is None:
-                self._new_marker(param)
-                continue
-            marker.zeroed = False
-            try:
-                param.grad = marker
-            except RuntimeError:
-                self._new_marker(param)
+            if marker is not None:
+                marker.zeroed = False
+                try:
+                    param.grad = marker  # autograd checks shape, dtype and device: a marker that no longer fits
+                    continue  # is refused, and made again below
+                except RuntimeError:
+                    pass
+            marker = markers[id(param)] = GradMarker(param)
+            param.grad = marker
 
-    @property
-    def carry(self) -> set[int]:
-        """The ``id``s of the parameters whose marker a backward pass took off intact: their sharded gradient
-        accumulates (see ``has_marker``)."""
-        return self._carry
+    def drop_unwanted(self, params: list[nn.Parameter], shard_params: list[nn.Parameter]) -> bool:
+        """Forget the sharded gradients whose marker ``zero_grad()`` removed or zeroed since they were made (see
+        ``has_marker``), and what this backward pass carried; ``True`` when no trainable parameter keeps one (the
+        next ones are fresh, not added to earlier ones). One call per unit: ``has_marker`` inline."""
+        carry = self._carry
+        fresh = True
+        for param, shard_param in zip(params, shard_params):
+            marker = param.grad
+            if not ((isinstance(marker, GradMarker) and not marker.zeroed) or id(param) in carry):
+                shard_param.grad = None
+            elif fresh and shard_param.grad is not None and param.requires_grad:
+                fresh = False
+            carry.discard(id(param))
+        return fresh
 
     def is_marker(self, param: nn.Parameter) -> bool:
         """Whether ``param.grad`` is a marker (rather than ``None`` or a full gradient)."""
@@ -535,18 +529,10 @@ class GradReducer:
 
     def _attach_shards(self, pending: list[_Reduced], used: list[Any], nonfinite_anywhere: list[Any] | None) -> None:
         position = 0
-        carry = self._carry
         for number, reduced in enumerate(pending):
             unit, shard_grad = reduced.unit, reduced.shard
             params, shard_params = unit.params, unit.shard_params
-            fresh = True  # no earlier sharded gradient is kept for a trainable parameter
-            for param, shard_param in zip(params, shard_params):
-                marker = param.grad  # (``has_marker``, inline: this loop runs per parameter per step)
-                if not ((isinstance(marker, GradMarker) and not marker.zeroed) or id(param) in carry):
-                    shard_param.grad = None  # zeroed by the user since the last reduction
-                elif fresh and shard_param.grad is not None and param.requires_grad:
-                    fresh = False
-                carry.discard(id(param))
+            fresh = self.drop_unwanted(params, shard_params)  # (zeroed by the user since the last reduction)
             # Known exactly only when checked and these gradients are not added to earlier ones (accumulation).
             unit.grads_finite = not nonfinite_anywhere[number] if fresh and nonfinite_anywhere is not None else None
             regions = unit.piece_views(shard_grad)
