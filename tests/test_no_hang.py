@@ -149,6 +149,36 @@ class SigtermOnRank1(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class Watched(torch.utils.data.Dataset):
+    """``token_data`` that records, at every item fetched, whether the strategy's step agreement is in flight."""
+
+    def __init__(self, strategy: Any, seen: list[bool]) -> None:
+        self.data, self.strategy, self.seen = token_data(64), strategy, seen
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        self.seen.append(self.strategy._batch_agreement is not None)
+        return self.data[index]
+
+
+class FetchedWhileAgreeing(ParityNet):
+    """Records whether the step agreement is in flight while its batch is fetched, and settled at the batch's
+    first hook (see [Note: the start of a training batch])."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd")
+        self.fetching: list[bool] = []
+        self.at_batch_start: list[bool] = []
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Watched(self.trainer.strategy, self.fetching), batch_size=4)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.at_batch_start.append(self.trainer.strategy._batch_agreement is not None)
+
+
 def _frozen_on_rank1(whole_layer: bool) -> ParityNet:
     model = ParityNet(optimizer="sgd")
     if torch.distributed.get_rank() == 1:
@@ -182,9 +212,19 @@ def _agreements(rank: int, world_size: int, directory: str) -> dict[str, Any]:
             ):
                 trainer = quiet_trainer(strategy=_strategy(stage), devices=world_size, max_steps=3)
                 results[f"{stage}: {name}"] = _outcome(trainer, model)
-    # Lightning stops every rank when one receives SIGTERM; the flag travels in the step agreement.
-    trainer = quiet_trainer(strategy=_strategy("zero3"), devices=world_size, max_steps=6, callbacks=[SigtermOnRank1()])
-    results["zero3: SIGTERM on rank 1"] = _outcome(trainer, ParityNet(optimizer="sgd"))
+        model = FetchedWhileAgreeing()
+        trainer = quiet_trainer(strategy=_strategy(stage), devices=world_size, max_steps=4)
+        results[f"{stage}: agreement in flight during the fetch"] = _outcome(trainer, model)
+        results[f"{stage}: agreement in flight during the fetch"].update(
+            fetching=model.fetching, at_batch_start=model.at_batch_start
+        )
+    # Lightning stops every rank when one receives SIGTERM; the flag travels in the step agreement (waited for
+    # after the fetch, under stage 3 at once before the first batch, which no optimizer step precedes).
+    for stage in ("zero2", "zero3"):
+        trainer = quiet_trainer(
+            strategy=_strategy(stage), devices=world_size, max_steps=6, callbacks=[SigtermOnRank1()]
+        )
+        results[f"{stage}: SIGTERM on rank 1"] = _outcome(trainer, ParityNet(optimizer="sgd"))
     trainer = quiet_trainer(strategy=_strategy("zero3"), devices=world_size, max_steps=4, callbacks=[ReadOnRank0Only()])
     results["zero3: parameter read on rank 0 only"] = _outcome(trainer, ParityNet(optimizer="sgd"))
     return results
@@ -199,6 +239,14 @@ def test_ranks_that_disagree_on_steps_saves_or_trainable_sets_fail_fast_or_train
             assert outcome["seconds"] < LIMIT, (case, rank, outcome)
         if "more calls" in case or "no_grad" in case:
             assert all(o["type"] is None for o in outcomes), (case, outcomes)
+            continue
+        if "in flight" in case:
+            for outcome in outcomes:
+                assert outcome["type"] is None and outcome["at_batch_start"] == [False] * 4, (case, outcome)
+                # Each batch is fetched while its agreement travels; under stage 3 batch 0's waited at once, its
+                # first gathers issued on the answer (no optimizer step precedes it).
+                first = 4 if case.startswith("zero3") else 0
+                assert outcome["fetching"] == [False] * first + [True] * (16 - first), (case, outcome["fetching"])
             continue
         if "SIGTERM" in case:  # as under DDP: every rank raises SIGTERMException before step 3's batch
             assert all(o["type"] == "SIGTERMException" and o["global_step"] == 2 for o in outcomes), outcomes

@@ -47,6 +47,7 @@ from lightning_zero.engine.checkpoint.sharded import (
     sharded_model_state,
     sharded_optimizer_state,
 )
+from lightning_zero.engine.comm.sequence import PendingStep
 from lightning_zero.engine.core.placeholder import has_hidden_parameters, refuse_module_sharded_elsewhere
 from lightning_zero.engine.io.files import find_checkpoint, remove_checkpoint
 from lightning_zero.engine.meta.materialize import has_meta_tensors
@@ -162,6 +163,9 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         # in it so far (see [Note: uneven evaluation] in strategies/agreement.py).
         self._evaluation: tuple[str, int] | None = None
         self._agreed_step: tuple[int, Callable[[], str]] | None = None  # the step agreed at its batch's start
+        # That agreement while it is still in flight (see [Note: the start of a training batch]).
+        self._batch_agreement: PendingStep | None = None
+        self._gathered_for_next_step = False  # stage 3: an optimizer step issued the next step's first gathers
         self._unwrap_batch_start: Callable[[], None] | None = None
         self._step_stats = StepStats()
         self._inserted_callbacks: list[pl.Callback] = []
@@ -286,6 +290,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self._forget_batch_agreement()
         # Another rank may not reach the collectives that a full teardown needs: do not wait for it, unless the
         # error is one that every rank raises at the same point (ours, checked everywhere, or rank 0's SIGTERM,
         # announced in the step agreement: see [Note: the start of a training batch]).
@@ -293,6 +298,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
 
     @override
     def teardown(self) -> None:
+        self._forget_batch_agreement()
         if self._inserted_callbacks and self._lightning_module is not None:
             unbracket(self._lightning_module.trainer.callbacks, self._inserted_callbacks)
         self._inserted_callbacks = []
@@ -331,10 +337,12 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
     # ------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        self._settle_batch_agreement()
         module = self.lightning_module
         assert module is not None
         step = self._count_step("training")
         self._evaluation = None
+        self._gathered_for_next_step = False
         accumulating = self.sharded_model.reducer.no_sync_requested
         agreed = self._agreed_step[1] if self._agreed_step is not None and self._agreed_step[0] == step else None
         self._agreed_step = None
@@ -350,22 +358,48 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
 
     def _agree_on_next_batch(self, sigterm: bool) -> bool | None:
         """See [Note: the start of a training batch] in ``strategies/agreement.py``: returns whether any rank
-        received SIGTERM (``None`` if nothing was agreed)."""
+        received SIGTERM, ``False`` while the answer is still on its way (``batch_to_device`` settles it), or
+        ``None`` if nothing was exchanged."""
+        self._settle_batch_agreement()  # (one a batch that ``on_train_batch_start`` never saw left pending)
         module = self.lightning_module
         assert module is not None
         step = self._steps.get("training", 0) + 1
         sharded = self.sharded_model
-        describe, sigterm = agreement.before_training_batch(sharded.comm, module.trainer, sharded.params, step, sigterm)
+        describe, pending = agreement.before_training_batch(sharded.comm, module.trainer, sharded.params, step, sigterm)
         self._agreed_step = (step, describe)
+        if pending.exchanges and (sharded.stage3 is None or self._gathered_for_next_step):
+            self._batch_agreement = pending  # nothing is issued on its answer: it travels during the fetch
+            return False
+        sigterm = agreement.any_sigterm(pending)
         if sigterm is False:  # every rank starts this training step: see [Note: gathers at the start of a batch]
             sharded.gather_for_next_step()
         return sigterm
+
+    def _settle_batch_agreement(self) -> None:
+        """Wait for the batch's step agreement if it is still in flight, and stop every rank together if some rank
+        received SIGTERM."""
+        pending, self._batch_agreement = self._batch_agreement, None
+        if pending is not None and agreement.any_sigterm(pending):
+            assert self.lightning_module is not None
+            agreement.stop_for_sigterm(self.lightning_module.trainer)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        self._settle_batch_agreement()  # the fetch is done: see [Note: the start of a training batch]
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
         if self.driver.sharded is not None:  # gathered for a batch that was then skipped (see gather_for_next_step)
             self.driver.sharded.free_unused_units()
+
+    def _forget_batch_agreement(self) -> None:
+        """Drop a batch agreement still in flight when the run stops (an error, teardown): it is not waited for."""
+        if self._batch_agreement is not None:
+            self._batch_agreement = None
+            if self.driver.sharded is not None:
+                self.driver.sharded.comm.forget_step()
 
     def _count_step(self, phase: str) -> int:
         self._steps[phase] = self._steps.get(phase, 0) + 1
@@ -388,6 +422,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         sharded.after_optimizer_step(_unwrap(optimizer))
         if sharded.stage3 is not None and module.automatic_optimization and _another_step_follows(module.trainer):
             sharded.gather_for_next_step()  # every rank has just stepped: see its docstring
+            self._gathered_for_next_step = True
         if self.log_stats:
             trainer = self.lightning_module.trainer
             self._step_stats.log(trainer, self.sharded_model, self.root_device, self.skipped_steps)

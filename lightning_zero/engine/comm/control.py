@@ -70,6 +70,54 @@ class _State:
     what: str = ""
 
 
+class PendingAgreement:
+    """An agreement in flight (``ControlChannel.agree_later``): ``result()`` waits for it, compares the rows and
+    returns every rank's shared value, or raises ``CollectiveMismatchError``; later calls return the same values.
+
+    Example::
+
+        pending = control.agree_later([1, step], lambda: f"training step {step}")
+        ...                                          # work that issues no collective
+        shared = pending.result()
+    """
+
+    def __init__(
+        self,
+        channel: ControlChannel,
+        work: dist.Work,
+        everyone: torch.Tensor,
+        index: int,
+        describe: Callable[[], str],
+        explain: Callable[[list[str]], str] | None,
+        advice: Callable[[list[str]], str] | None,
+    ) -> None:
+        self.channel = channel
+        self.work = work
+        self.everyone = everyone
+        self.index = index
+        self.describe = describe
+        self.explain = explain
+        self.advice = advice
+        self.bytes_sent = everyone.numel() * 8 * (channel.world_size - 1) // channel.world_size
+        self._shared: list[int] | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self._shared is not None or self._error is not None
+
+    def result(self) -> list[int]:
+        if self._error is not None:
+            raise self._error
+        if self._shared is None:
+            try:
+                self._shared = self.channel._settle(self)
+            except BaseException as error:  # settled once: the rows are compared (and the texts exchanged) once
+                self._error = error
+                raise
+        return self._shared
+
+
 class ControlChannel:
     """A CPU gloo group for agreements, and the store for stall reports (see the notes above).
 
@@ -95,6 +143,7 @@ class ControlChannel:
         # Every rank's row of the last agreement; reused by the next one, and ``None`` while an agreement is in
         # flight (one that raised may leave its collective running: the next agreement takes a new buffer).
         self._everyone: torch.Tensor | None = None
+        self._pending: PendingAgreement | None = None  # see ``agree_later``
         self.verdict: str | None = None  # a deadlock or failure the monitor found while the main thread was blocked
         self._lock = threading.Lock()  # the store client is shared with the monitor thread
         self._in_wait = False
@@ -147,8 +196,22 @@ class ControlChannel:
         ``shared`` travels along without being compared: every rank's value is returned (e.g. a flag that rank
         0 announces to the others, so that it needs no exchange of its own). ``advice``: as for ``wait``, should
         the ranks deadlock while this rank waits for the agreement."""
+        return self.agree_later(row, describe, explain, shared, advice).result()
+
+    def agree_later(
+        self,
+        row: Sequence[int],
+        describe: Callable[[], str],
+        explain: Callable[[list[str]], str] | None = None,
+        shared: int = 0,
+        advice: Callable[[list[str]], str] | None = None,
+    ) -> PendingAgreement:
+        """``agree``, issued now and settled by ``result()`` on the returned object: the exchange travels while
+        the caller works on (see [Note: the start of a training batch] in ``strategies/agreement.py``). One
+        agreement is pending at a time: the next one, issued here or by ``agree``, settles it first."""
         if len(row) > ROW:
             raise ValueError(f"an agreement row holds at most {ROW} integers, got {len(row)}")
+        self.settle_pending()
         # Built and compared as Python lists: a tensor operation costs microseconds of dispatch, and this runs once
         # per step.
         values = [int(v) & 0x7FFFFFFFFFFFFFFF for v in row]
@@ -158,9 +221,33 @@ class ControlChannel:
             everyone = torch.empty((ROW + 1) * self.world_size, dtype=torch.int64)
         index = self.issued["side"]
         self.issued["side"] += 1
-        self.bytes_sent += everyone.numel() * 8 * (self.world_size - 1) // self.world_size
         work = _all_gather_single(everyone, mine, group=self.group, async_op=True)
-        self.wait(work, "side", index, lambda: f"waiting for the other ranks to agree on: {describe()}", advice)
+        pending = self._pending = PendingAgreement(self, work, everyone, index, describe, explain, advice)
+        self.bytes_sent += pending.bytes_sent
+        return pending
+
+    def settle_pending(self) -> None:
+        """Settle the agreement issued by ``agree_later`` and not yet settled, if any (raises what it raises)."""
+        if self._pending is not None:
+            self._pending.result()
+
+    def forget_pending(self) -> None:
+        """Leave the pending agreement unsettled (after an error on this rank: its collective completes, or not,
+        on its own, and nothing compares its rows)."""
+        self._pending = None
+
+    def _settle(self, pending: PendingAgreement) -> list[int]:
+        if self._pending is pending:
+            self._pending = None
+        describe = pending.describe
+        self.wait(
+            pending.work,
+            "side",
+            pending.index,
+            lambda: f"waiting for the other ranks to agree on: {describe()}",
+            pending.advice,
+        )
+        everyone = pending.everyone
         self._everyone = everyone
         table = everyone.tolist()
         width = ROW + 1
@@ -171,7 +258,7 @@ class ControlChannel:
         self.issued["side"] += 1
         dist.all_gather_object(texts, describe(), group=self.group)
         lines = "\n  ".join(f"rank {r}: {text}" for r, text in enumerate(texts))
-        advice = explain(texts) if explain is not None else ""
+        advice = pending.explain(texts) if pending.explain is not None else ""
         raise CollectiveMismatchError(
             f"the ranks are about to do different things that they must do together, so they would deadlock or "
             f"exchange the wrong data:\n  {lines}" + (f"\n{advice}" if advice else "")
@@ -333,6 +420,7 @@ class ControlChannel:
         object); the default group is destroyed at exit (see [Note: the process group at exit] in
         ``process_exit.py``)."""
         global _current
+        self._pending = None
         self._stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=self.poll_seconds + 5)

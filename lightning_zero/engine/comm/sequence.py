@@ -44,6 +44,7 @@ from lightning_zero.engine.comm.control import (
     CollectiveMismatchError,
     ControlChannel,
     PeerFailureError,
+    PendingAgreement,
     code_of,
 )
 from lightning_zero.engine.comm.labels import label
@@ -91,6 +92,7 @@ class CollectiveSequence:
         self._on_track = False
         self._deferred: tuple[str, list[int], Callable[[], str]] | None = None  # see ``defer_sequence``
         self._outstanding = 0  # collectives issued and not yet waited for
+        self._pending_step: PendingStep | None = None  # see ``agree_step_later``
         self.broken = False  # a check failed while collectives were in flight: this group can no longer be used
 
     def begin_sequence(self, key: str, row: list[int] | None, describe: Callable[[], str]) -> None:
@@ -145,6 +147,34 @@ class CollectiveSequence:
             return self._agree([_STEP_ROW, *row], lambda: f"start {describe()}", self._advice, shared)
         return None
 
+    def agree_step_later(self, row: list[int], describe: Callable[[], str], shared: int = 0) -> PendingStep:
+        """``agree_step``, issued now and settled by ``result()`` on the returned object, or by itself before this
+        sequence's next collective or agreement, whichever comes first: nothing of the step that other ranks must
+        join is issued before every rank is known to start it (see [Note: the start of a training batch] in
+        ``strategies/agreement.py``). Ends the current sequence."""
+        self.end_sequence()
+        self.settle_step()
+        pending = None
+        start = time.perf_counter()
+        if self.control is not None and self.checks != "off":
+            if self.broken:
+                raise CollectiveMismatchError(_BROKEN)
+            pending = self.control.agree_later([_STEP_ROW, *row], lambda: f"start {describe()}", self._advice, shared)
+        step = self._pending_step = PendingStep(self, pending, time.perf_counter() - start)
+        return step
+
+    def settle_step(self) -> None:
+        """Settle the step agreement ``agree_step_later`` issued, if it is still pending (raises what it raises)."""
+        if self._pending_step is not None:
+            self._pending_step.result()
+
+    def forget_step(self) -> None:
+        """Leave the pending step agreement unsettled (after an error on this rank; see
+        ``ControlChannel.forget_pending``)."""
+        if self._pending_step is not None and self.control is not None:
+            self.control.forget_pending()
+        self._pending_step = None
+
     def end_sequence(self) -> None:
         """The step is over (the next one, or something outside steps, follows): its collectives become the
         reference for the next step of the same key."""
@@ -172,6 +202,8 @@ class CollectiveSequence:
         self, row: list[int], describe: Callable[[], str], explain: Callable[[list[str]], str], shared: int = 0
     ) -> list[int]:
         assert self.control is not None
+        if self._pending_step is not None:
+            self._pending_step.result()
         if self.broken:
             raise CollectiveMismatchError(_BROKEN)
         before = self.control.bytes_sent
@@ -203,6 +235,8 @@ class CollectiveSequence:
 
     def _before(self, kind: str, name: str, numel: int, guard: bool) -> Callable[[], str]:
         """Track (and, where needed, agree on) the collective about to be issued; returns its description."""
+        if self._pending_step is not None:
+            self._pending_step.result()
         if self.broken:
             raise CollectiveMismatchError(_BROKEN)
         if self.control is None or self.checks == "off":
@@ -242,6 +276,50 @@ class CollectiveSequence:
             raise
         finally:
             self._outstanding -= 1
+
+
+class PendingStep:
+    """A step agreement in flight (``CollectiveSequence.agree_step_later``): ``result()`` waits for it and returns
+    every rank's shared value (``None`` when checks are off and nothing was exchanged), or raises what
+    ``agree_step`` would have raised; later calls return the same.
+
+    Example::
+
+        pending = comm.agree_step_later([phase, step], lambda: f"training step {step}")
+        batch = next(batches)                        # the exchange travels meanwhile
+        shared = pending.result()
+    """
+
+    def __init__(self, sequence: CollectiveSequence, pending: PendingAgreement | None, issue_seconds: float) -> None:
+        self._sequence = sequence
+        self._pending = pending
+        self._issue_seconds = issue_seconds
+
+    @property
+    def exchanges(self) -> bool:
+        """Whether anything travels (not with checks off, or in a world of one): ``result()`` is ``None`` if not."""
+        return self._pending is not None
+
+    def result(self) -> list[int] | None:
+        sequence, pending = self._sequence, self._pending
+        if sequence._pending_step is self:
+            sequence._pending_step = None
+        if pending is None:
+            return None
+        control = sequence.control
+        assert control is not None
+        settled = pending.settled
+        start = time.perf_counter()
+        try:
+            with label("ZeRO::agree"):
+                return pending.result()
+        except (CollectiveMismatchError, PeerFailureError):
+            sequence.broken = sequence.broken or sequence._outstanding > 0 or control.broken
+            raise
+        finally:
+            if not settled:  # counted once, as ``agree_step`` counts it: its bytes, the host's time to issue and wait
+                elapsed = self._issue_seconds + time.perf_counter() - start
+                sequence.stats.record("check", pending.bytes_sent, elapsed)
 
 
 _BROKEN = (
