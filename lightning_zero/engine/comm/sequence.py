@@ -142,10 +142,7 @@ class CollectiveSequence:
         """Agree that every rank is about to start the step ``row`` describes (ends the current sequence).
         Returns every rank's ``shared`` (carried along, not compared; see ``ControlChannel.agree``), or ``None``
         when checks are off and nothing was exchanged."""
-        self.end_sequence()
-        if self.control is not None and self.checks != "off":
-            return self._agree([_STEP_ROW, *row], lambda: f"start {describe()}", self._advice, shared)
-        return None
+        return self.agree_step_later(row, describe, shared).result()
 
     def agree_step_later(self, row: list[int], describe: Callable[[], str], shared: int = 0) -> PendingStep:
         """``agree_step``, issued now and settled by ``result()`` on the returned object, or by itself before this
@@ -159,9 +156,11 @@ class CollectiveSequence:
         if self.control is not None and self.checks != "off":
             if self.broken:
                 raise CollectiveMismatchError(_BROKEN)
-            pending = self.control.agree_later([_STEP_ROW, *row], lambda: f"start {describe()}", self._advice, shared)
-        step = self._pending_step = PendingStep(self, pending, time.perf_counter() - start)
-        return step
+            pending = self.control.agree_later(
+                [_STEP_ROW, *row], lambda: f"start {describe()}", self._advice, shared, advice=self._advice
+            )
+        self._pending_step = PendingStep(self, pending, time.perf_counter() - start)
+        return self._pending_step
 
     def settle_step(self) -> None:
         """Settle the step agreement ``agree_step_later`` issued, if it is still pending (raises what it raises)."""
@@ -202,8 +201,7 @@ class CollectiveSequence:
         self, row: list[int], describe: Callable[[], str], explain: Callable[[list[str]], str], shared: int = 0
     ) -> list[int]:
         assert self.control is not None
-        if self._pending_step is not None:
-            self._pending_step.result()
+        self.settle_step()
         if self.broken:
             raise CollectiveMismatchError(_BROKEN)
         before = self.control.bytes_sent
@@ -235,8 +233,7 @@ class CollectiveSequence:
 
     def _before(self, kind: str, name: str, numel: int, guard: bool) -> Callable[[], str]:
         """Track (and, where needed, agree on) the collective about to be issued; returns its description."""
-        if self._pending_step is not None:
-            self._pending_step.result()
+        self.settle_step()
         if self.broken:
             raise CollectiveMismatchError(_BROKEN)
         if self.control is None or self.checks == "off":
