@@ -325,3 +325,74 @@ def test_ranks_that_part_ways_inside_a_step_fail_fast_naming_them(case: str, sta
     for rank, outcome in enumerate(outcomes):
         assert outcome["type"] == CollectiveMismatchError.__name__, (rank, outcome)
         assert "rank 0:" in outcome["message"] and "rank 1:" in outcome["message"], (rank, outcome)
+
+
+def _gathered_agreements(rank: int, world_size: int) -> LeaveBroken:
+    """At three ranks an agreement is a gather and a broadcast (see [Note: agreements at scale]): what every rank
+    learns, pipelined, dropped, refused; then the Trainer's cases that end in one; last, a deadlock (which leaves
+    the group unusable)."""
+    from lightning_zero.engine.comm import control as control_module
+    from lightning_zero.engine.comm.control import ControlChannel
+
+    assert world_size >= control_module.TREE_FROM
+    results: dict[str, Any] = {}
+    channel = ControlChannel.create(poll_seconds=0.5)
+    assert channel is not None
+    results["shared"] = channel.agree([1, 2], lambda: "the same step", shared=10 + rank)
+    pending = channel.agree_later([3], lambda: "a pipelined step", shared=rank)
+    results["in flight"] = not pending.settled
+    results["pipelined"] = pending.result()
+    # A pending agreement dropped by this rank alone, or by every rank: the next one still pairs up.
+    for forgetting in ([0], [0, 1, 2]):
+        pending = channel.agree_later([4], lambda: "a step given up", shared=rank)
+        if rank in forgetting:
+            channel.forget_pending()
+        else:
+            pending.result()
+        results[f"after forgetting on {forgetting}"] = channel.agree([5], lambda: "the next step", shared=rank)
+    try:
+        channel.agree([6, 1 if rank == 2 else 0], lambda: f"step {6 + (rank == 2)}")
+        results["mismatch"] = None
+    except CollectiveMismatchError as error:
+        results["mismatch"] = str(error)
+    results["issued"] = dict(channel.issued)
+    for stage in ("zero1", "zero3"):
+        model = UnevenData(optimizer="sgd")
+        trainer = quiet_trainer(
+            strategy=_strategy(stage), devices=world_size, max_epochs=1, use_distributed_sampler=False
+        )
+        results[f"{stage}: uneven batches"] = _outcome(trainer, model)
+    trainer = quiet_trainer(strategy=_strategy("zero2"), devices=world_size, max_steps=6, callbacks=[SigtermOnRank1()])
+    results["zero2: SIGTERM on rank 1"] = _outcome(trainer, ParityNet(optimizer="sgd"))
+    trainer = quiet_trainer(
+        strategy=_strategy("zero2"), devices=world_size, max_steps=6, callbacks=[DirectReduceOnRank0()]
+    )
+    results["zero2: direct on rank 0"] = _outcome(trainer, ParityNet(optimizer="sgd"))
+    return LeaveBroken(results)
+
+
+def test_gathered_agreements_at_three_ranks_agree_pipeline_and_fail_fast() -> None:
+    outcomes = spawn(_gathered_agreements, world_size=3, timeout=300, rendezvous="tcp")
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["shared"] == [10, 11, 12] and outcome["pipelined"] == [0, 1, 2], outcome
+        assert outcome["in flight"] or rank == 0, outcome  # (rank 0's gather may be in before it looks)
+        for forgetting in ([0], [0, 1, 2]):
+            assert outcome[f"after forgetting on {forgetting}"] == [0, 1, 2], (rank, outcome)
+        message = outcome["mismatch"]
+        assert message is not None and all(f"rank {q}: step {6 + (q == 2)}" in message for q in range(3)), message
+        for case in ("zero1: uneven batches", "zero3: uneven batches", "zero2: SIGTERM on rank 1"):
+            assert outcome[case]["seconds"] < LIMIT, (case, rank, outcome[case])
+        for stage in ("zero1", "zero3"):
+            uneven = outcome[f"{stage}: uneven batches"]
+            assert uneven["type"] == "CollectiveMismatchError", (stage, rank, uneven)
+            assert "rank 0: start training step 7" in uneven["message"], uneven
+            assert "rank 2:" in uneven["message"] and "same number of batches" in uneven["message"], uneven
+        sigterm = outcome["zero2: SIGTERM on rank 1"]
+        assert sigterm["type"] == "SIGTERMException" and sigterm["global_step"] == 2, (rank, sigterm)
+        direct = outcome["zero2: direct on rank 0"]
+        assert direct["seconds"] < LIMIT and "rank 0: torch.distributed.all_reduce, called from" in direct["message"]
+    # Every rank has issued the same collectives on the channel: rank 0's broadcasts, issued as each agreement was
+    # settled (or dropped), included.
+    assert len({str(o["issued"]) for o in outcomes}) == 1, [o["issued"] for o in outcomes]
+    assert all(o["zero2: direct on rank 0"]["type"] is not None for o in outcomes), outcomes
+    assert any(o["zero2: direct on rank 0"]["type"] == "CollectiveMismatchError" for o in outcomes[1:]), outcomes

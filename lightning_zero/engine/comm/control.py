@@ -29,6 +29,23 @@ one read per rank and per ``poll_seconds`` of a wait that is already slow.
 On NCCL a wait does not block the host (it orders streams), so the host runs on to the next
 agreement, which is where ranks that diverged meet and fail; the NCCL communicator, which may hold
 a collective that will never complete, is then aborted (see ``abort_if_broken``).
+
+[Note: agreements at scale]
+gloo's all-gather is a ring: N - 1 steps, each waiting for the one before, so an agreement over 512
+ranks is hundreds of network latencies on the host before the step's first collective. From
+``TREE_FROM`` ranks on, an agreement is two collectives instead: every rank's row is gathered on rank
+0 (one step: the N - 1 messages travel at once) and rank 0 broadcasts the whole table back (gloo's
+broadcast is a binomial tree: log2 N steps). Every rank still receives every row, so the comparison,
+the shared values and the error are the same. Rank 0 can only broadcast the table once it holds it:
+it issues the gather with the agreement and the broadcast when the agreement is settled (its
+``result()``); the other ranks issue both at once and wait for the broadcast, so no rank starts the
+step before rank 0 has settled. Each collective is counted in ``issued["side"]`` when it is issued,
+so a stall report sees rank 0's broadcast as not yet issued until it is. An agreement dropped by
+``forget_pending`` is still completed by rank 0, unchecked (the others wait for its broadcast): the
+group's collectives stay in the same order on every rank, as they do with an all-gather that
+completes on its own. Measured on this project's 2-core machine (``benchmarks/agreement.py``,
+oversubscribed processes): the ring costs 0.3 ms at 2 ranks (where it stays: one collective beats
+two), 10.7 at 8, 87 at 32; the gather and broadcast 3.1 ms at 8 and 13 at 32.
 """
 
 from __future__ import annotations
@@ -51,6 +68,7 @@ from lightning_zero.engine.comm.advice import explain_texts
 from lightning_zero.engine.errors import CollectiveMismatchError, PeerFailureError
 
 ROW = 8  # integers per agreement row
+TREE_FROM = 3  # ranks from which an agreement is a gather and a broadcast (see [Note: agreements at scale])
 LINGER_POLLS = 4  # how long rank 0 waits for the others to read a verdict, in polls (see [Note: every rank is told])
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -84,21 +102,27 @@ class PendingAgreement:
     def __init__(
         self,
         channel: ControlChannel,
-        work: dist.Work,
+        works: list[tuple[dist.Work, int]],
         everyone: torch.Tensor,
-        index: int,
         describe: Callable[[], str],
         explain: Callable[[list[str]], str] | None,
         advice: Callable[[list[str]], str] | None,
+        relay: bool = False,
     ) -> None:
         self.channel = channel
-        self.work = work
+        self.works = works  # each collective in flight, with its number on the side group
         self.everyone = everyone
-        self.index = index
         self.describe = describe
         self.explain = explain
         self.advice = advice
-        self.bytes_sent = everyone.numel() * 8 * (channel.world_size - 1) // channel.world_size
+        # Rank 0 of a gathered agreement: the table is broadcast once the gather is in (see [Note: agreements at
+        # scale]); until then this rank owes the others that broadcast.
+        self.relay = relay
+        world = channel.world_size
+        table = everyone.numel() * 8
+        # Bytes this rank sends, on average over the ranks: an all-gather sends (N - 1)/N of the table; a gather
+        # sends one row from each of N - 1 ranks, and the broadcast N - 1 copies of the table.
+        self.bytes_sent = (table if world < TREE_FROM else table // world + table) * (world - 1) // world
         self._shared: list[int] | None = None
         self._error: BaseException | None = None
 
@@ -220,9 +244,22 @@ class ControlChannel:
         if everyone is None:
             everyone = torch.empty((ROW + 1) * self.world_size, dtype=torch.int64)
         index = self.issued["side"]
-        self.issued["side"] += 1
-        work = _all_gather_single(everyone, mine, group=self.group, async_op=True)
-        pending = self._pending = PendingAgreement(self, work, everyone, index, describe, explain, advice)
+        relay = False
+        if self.world_size < TREE_FROM:
+            self.issued["side"] += 1
+            works = [(_all_gather_single(everyone, mine, group=self.group, async_op=True), index)]
+        elif self.rank == 0:  # see [Note: agreements at scale]: the broadcast follows in ``_settle``
+            self.issued["side"] += 1
+            rows = list(everyone.view(self.world_size, ROW + 1))
+            works = [(dist.gather(mine, rows, dst=0, group=self.group, async_op=True), index)]
+            relay = True
+        else:
+            self.issued["side"] += 2
+            works = [
+                (dist.gather(mine, None, dst=0, group=self.group, async_op=True), index),
+                (dist.broadcast(everyone, src=0, group=self.group, async_op=True), index + 1),
+            ]
+        pending = self._pending = PendingAgreement(self, works, everyone, describe, explain, advice, relay)
         self.bytes_sent += pending.bytes_sent
         return pending
 
@@ -233,20 +270,36 @@ class ControlChannel:
 
     def forget_pending(self) -> None:
         """Leave the pending agreement unsettled (after an error on this rank: its collective completes, or not,
-        on its own, and nothing compares its rows)."""
-        self._pending = None
+        on its own, and nothing compares its rows). Rank 0 of a gathered agreement still relays the table the
+        others wait for (see [Note: agreements at scale]), giving up if the ranks can no longer meet."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.relay:
+            try:
+                self._wait_all(pending)
+            except Exception:  # a peer that failed or is stuck elsewhere: the group may be out of step now
+                self.broken = True
+
+    def _wait_all(self, pending: PendingAgreement) -> None:
+        """Wait for ``pending``'s collectives, and on rank 0 of a gathered agreement issue the broadcast of the
+        table once the gather is in (and wait for it)."""
+        describe = pending.describe
+        for work, index in pending.works:
+            self.wait(
+                work, "side", index, lambda: f"waiting for the other ranks to agree on: {describe()}", pending.advice
+            )
+        pending.works = []
+        if pending.relay:
+            pending.relay = False
+            index = self.issued["side"]
+            self.issued["side"] += 1
+            work = dist.broadcast(pending.everyone, src=0, group=self.group, async_op=True)
+            self.wait(work, "side", index, lambda: f"sending the agreement on: {describe()}", pending.advice)
 
     def _settle(self, pending: PendingAgreement) -> list[int]:
         if self._pending is pending:
             self._pending = None
+        self._wait_all(pending)
         describe = pending.describe
-        self.wait(
-            pending.work,
-            "side",
-            pending.index,
-            lambda: f"waiting for the other ranks to agree on: {describe()}",
-            pending.advice,
-        )
         everyone = pending.everyone
         self._everyone = everyone
         table = everyone.tolist()
