@@ -211,3 +211,16 @@ def test_quantized_benchmark_counts_a_quarter_of_the_bytes_and_keeps_the_loss(tm
     assert abs(both["final_loss_drift"]) < 0.02, both
     assert results["runs"]["zero3-both"][0]["codec_seconds_per_step"] > 0
     assert results["runs"]["zero3-exact"][0]["codec_seconds_per_step"] == 0
+
+
+def test_agreement_benchmark_times_the_ring_and_the_default_at_each_world_size(tmp_path: Path) -> None:
+    from benchmarks.agreement import main
+
+    out = tmp_path / "agreement.json"
+    results = main(["--world-sizes", "3", "--samples", "3", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["results"] == results and written["options"]["tree_from"] == 3
+    assert sorted(results["3"]) == ["default", "lightning_broadcast", "ring"], results
+    assert all(seconds > 0 for seconds in results["3"].values()), results
+    with pytest.raises(SystemExit):
+        main(["--world-sizes", "1"])  # refused before any process starts

@@ -44,8 +44,9 @@ so a stall report sees rank 0's broadcast as not yet issued until it is. An agre
 ``forget_pending`` is still completed by rank 0, unchecked (the others wait for its broadcast): the
 group's collectives stay in the same order on every rank, as they do with an all-gather that
 completes on its own. Measured on this project's 2-core machine (``benchmarks/agreement.py``,
-oversubscribed processes): the ring costs 0.3 ms at 2 ranks (where it stays: one collective beats
-two), 10.7 at 8, 87 at 32; the gather and broadcast 3.1 ms at 8 and 13 at 32.
+oversubscribed processes, 2026-12-03): the ring takes 0.35 ms at 2 ranks (where it stays: one
+collective beats two), 2.6 at 4, 10.7 at 8, 90 at 32; the gather and broadcast 1.3 ms at 4, 2.5 at
+8, 13 at 32.
 """
 
 from __future__ import annotations
