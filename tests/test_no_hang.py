@@ -329,8 +329,8 @@ def test_ranks_that_part_ways_inside_a_step_fail_fast_naming_them(case: str, sta
 
 def _gathered_agreements(rank: int, world_size: int) -> LeaveBroken:
     """At three ranks an agreement is a gather and a broadcast (see [Note: agreements at scale]): what every rank
-    learns, pipelined, dropped, refused; then the Trainer's cases that end in one; last, a deadlock (which leaves
-    the group unusable)."""
+    learns, pipelined, dropped, refused; then the Trainer's cases that end in one, and Fabric's; last, a deadlock
+    (which leaves the group unusable)."""
     from lightning_zero.engine.comm import control as control_module
     from lightning_zero.engine.comm.control import ControlChannel
 
@@ -364,11 +364,48 @@ def _gathered_agreements(rank: int, world_size: int) -> LeaveBroken:
         results[f"{stage}: uneven batches"] = _outcome(trainer, model)
     trainer = quiet_trainer(strategy=_strategy("zero2"), devices=world_size, max_steps=6, callbacks=[SigtermOnRank1()])
     results["zero2: SIGTERM on rank 1"] = _outcome(trainer, ParityNet(optimizer="sgd"))
+    results["fabric zero2"] = _fabric_steps_then_a_barrier_on_rank_2(world_size)
     trainer = quiet_trainer(
         strategy=_strategy("zero2"), devices=world_size, max_steps=6, callbacks=[DirectReduceOnRank0()]
     )
     results["zero2: direct on rank 0"] = _outcome(trainer, ParityNet(optimizer="sgd"))
     return LeaveBroken(results)
+
+
+def _fabric_steps_then_a_barrier_on_rank_2(world_size: int) -> dict[str, Any]:
+    """The Fabric door over the same channel: three steps on every rank, then rank 2 calls ``barrier()`` where
+    the others start a fourth step."""
+    from lightning.fabric import Fabric
+    from torch import nn
+
+    from lightning_zero.fabric import ZeRO2Strategy as FabricZeRO2
+
+    fabric = Fabric(strategy=FabricZeRO2(), accelerator="cpu", devices=world_size)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    generator = torch.Generator().manual_seed(fabric.global_rank)
+    losses: list[float] = []
+
+    def step() -> None:
+        loss = model(torch.randn(4, 8, generator=generator)).square().mean()
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+
+    outcome: dict[str, Any] = {"type": None, "message": ""}
+    try:
+        for _ in range(3):
+            step()
+        if fabric.global_rank == 2:
+            fabric.barrier()
+        else:
+            step()
+    except CollectiveMismatchError as error:
+        outcome = {"type": type(error).__name__, "message": str(error)}
+    return {**outcome, "losses": losses}
 
 
 def test_gathered_agreements_at_three_ranks_agree_pipeline_and_fail_fast() -> None:
@@ -389,6 +426,10 @@ def test_gathered_agreements_at_three_ranks_agree_pipeline_and_fail_fast() -> No
             assert "rank 2:" in uneven["message"] and "same number of batches" in uneven["message"], uneven
         sigterm = outcome["zero2: SIGTERM on rank 1"]
         assert sigterm["type"] == "SIGTERMException" and sigterm["global_step"] == 2, (rank, sigterm)
+        fabric = outcome["fabric zero2"]
+        assert len(fabric["losses"]) == 3, (rank, fabric)  # three steps agreed and trained everywhere
+        assert fabric["type"] == "CollectiveMismatchError", (rank, fabric)
+        assert "rank 2:" in fabric["message"] and "barrier" in fabric["message"], fabric["message"]
         direct = outcome["zero2: direct on rank 0"]
         assert direct["seconds"] < LIMIT and "rank 0: torch.distributed.all_reduce, called from" in direct["message"]
     # Every rank has issued the same collectives on the channel: rank 0's broadcasts, issued as each agreement was
