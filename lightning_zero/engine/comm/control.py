@@ -251,7 +251,7 @@ class ControlChannel:
             works = [(_all_gather_single(everyone, mine, group=self.group, async_op=True), index)]
         elif self.rank == 0:  # see [Note: agreements at scale]: the broadcast follows in ``_settle``
             self.issued["side"] += 1
-            rows = list(everyone.view(self.world_size, ROW + 1))
+            rows = list(everyone.view(self.world_size, ROW + 1).unbind())  # (N views in one call)
             works = [(dist.gather(mine, rows, dst=0, group=self.group, async_op=True), index)]
             relay = True
         else:
