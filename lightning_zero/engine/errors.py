@@ -20,6 +20,7 @@ __all__ = [
     "NonFiniteGradientError",
     "PeerFailureError",
     "RecordChecksumError",
+    "ShardedConversionError",
     "ShardedGradientError",
     "ShardedOptimizerStateError",
     "ShardedParameterReadError",
@@ -55,6 +56,32 @@ class ShardedParameterReadError(RuntimeError):
 
 class ShardedGradientError(RuntimeError):
     """A module parameter's ``.grad`` was read, but under ZeRO the reduced gradient exists only as shards."""
+
+
+class ShardedConversionError(RuntimeError):
+    """A sharded model's parameters were given another dtype or device during training (``model.to(...)``,
+    ``.double()``, ``.half()``, ``.cpu()``): the shards, master weights, optimizer states and communication buffers
+    keep the ones they were built with, so the change cannot be followed.
+
+    Example::
+
+        error = ShardedConversionError("'blocks.0.up.weight'", "torch.float32 on cpu", "torch.float64 on cpu")
+        str(error)      # "... 'blocks.0.up.weight' from torch.float32 on cpu to torch.float64 on cpu ..."
+    """
+
+    def __init__(self, where: str, old: str, new: str) -> None:
+        super().__init__(
+            f"the model was converted during training (module.to(...), .double(), .half(), .cpu(), ...): {where} "
+            f"from {old} to {new}. Under ZeRO a parameter's dtype and device are fixed once the model is sharded (its "
+            "shards, master weights, optimizer states and communication buffers were built for them). Choose them "
+            "before fit: Trainer(precision=...) (e.g. '64-true', 'bf16-true') or fabric = Fabric(precision=...), or "
+            "convert the model before trainer.fit(...) / fabric.setup(...); for a converted copy, convert "
+            "copy.deepcopy(model), which is a plain module."
+        )
+        self.where, self.old, self.new = where, old, new
+
+    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt from its parts (the message is made of them)
+        return type(self), (self.where, self.old, self.new)
 
 
 class FoldedModuleError(RuntimeError):

@@ -12,7 +12,6 @@ written into the shards one unit at a time when loading, so that no rank ever ho
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -22,6 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm.comm import Comm
+from lightning_zero.engine.core.hooks import EngineHook
 from lightning_zero.engine.core.layout import ParamShard
 from lightning_zero.engine.core.optimizer import is_param_shaped, slice_state
 from lightning_zero.engine.core.placeholder import passthrough
@@ -83,9 +83,10 @@ class StateDictGatherer:
         if not self._where:
             return
         for module in root.modules():
-            self._handles.append(module.register_state_dict_pre_hook(self._enter))
-            # A partial, not the bound method: torch marks public post-hooks with an attribute.
-            self._handles.append(module.register_state_dict_post_hook(functools.partial(StateDictGatherer._fill, self)))
+            # Not bound methods: a copy of the module must not take the gatherer along (see [Note: copies of a
+            # sharded module]), and torch marks public post-hooks with an attribute, which a method cannot take.
+            self._handles.append(module.register_state_dict_pre_hook(EngineHook(self._enter)))
+            self._handles.append(module.register_state_dict_post_hook(EngineHook(self._fill)))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -146,8 +147,8 @@ class ShardLoader:
 
     def install(self, root: nn.Module) -> None:
         for module in root.modules():
-            self._handles.append(module.register_load_state_dict_pre_hook(self._stream_into_shards))
-            self._handles.append(module.register_load_state_dict_post_hook(self._forget_streamed_keys))
+            self._handles.append(module.register_load_state_dict_pre_hook(EngineHook(self._stream_into_shards)))
+            self._handles.append(module.register_load_state_dict_post_hook(EngineHook(self._forget_streamed_keys)))
 
     def remove(self) -> None:
         for handle in self._handles:

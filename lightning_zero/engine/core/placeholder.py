@@ -53,7 +53,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_zero.engine.errors import ShardedParameterReadError, ShardedParameterWriteError
+from lightning_zero.engine.errors import (
+    ShardedConversionError,
+    ShardedParameterReadError,
+    ShardedParameterWriteError,
+)
 
 _T = torch.Tensor
 # Answered from the placeholder: what a function may ask of a parameter without reading its values.
@@ -163,6 +167,8 @@ class _Hidden:
         kwargs = kwargs or {}
         if func in _METADATA:
             with passthrough():
+                if func is _DATA_SET:  # ``module.to(torch.float64)`` rebinds each parameter's data
+                    check_conversion(_where(args[0]), args[0], args[1].dtype, args[1].device)
                 return func(*args, **kwargs)
         hidden = _hidden_in((args, kwargs))
         if not hidden:  # only copies of hidden parameters (``copy.deepcopy``), made plain on the way
@@ -189,6 +195,22 @@ class _Hidden:
             copy = type(self)._visible(values.clone(memory_format=torch.preserve_format), self.requires_grad)
         memo[id(self)] = copy
         return copy
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # Pickled (``torch.save(module)``) as that copy: the visible class, the gathered values in storage of their
+        # own (``p.data`` would pickle the whole gathered unit it is a view of), no hooks (see [Note: copies of a
+        # sharded module] in ``hooks.py``).
+        return self.__deepcopy__({}).__reduce_ex__(protocol)
+
+
+_DATA_SET = _T.data.__set__
+
+
+def check_conversion(where: str, old: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ``ShardedConversionError`` if ``dtype`` or ``device`` (of data given to a sharded parameter, or of a
+    gradient's conversion) is not ``old``'s: ``module.to(...)`` during training, which the shards cannot follow."""
+    if dtype != old.dtype or torch.device(device) != old.device:
+        raise ShardedConversionError(where, f"{old.dtype} on {old.device}", f"{dtype} on {torch.device(device)}")
 
 
 def _hidden_in(tree: Any) -> list[nn.Parameter]:

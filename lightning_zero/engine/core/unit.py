@@ -141,6 +141,7 @@ from lightning_zero.engine.core.placeholder import (
     ShardedParameterReadError,
     ShardedParameterWriteError,
     arrive,
+    check_conversion,
     hide,
     passthrough,
     reveal,
@@ -496,6 +497,7 @@ class ShardedUnit:
             if self._on_master_piece(param, index):
                 continue  # inside an optimizer step (ShardedModel.on_shards)
             new = param.data
+            check_conversion(f"parameter {self.param_names[index]!r}", want, new.dtype, new.device)
             if new.shape != want.shape:
                 raise ValueError(
                     f"parameter {self.param_names[index]!r} was given data of shape {tuple(new.shape)} "

@@ -36,11 +36,11 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 
-_Hook = TypeVar("_Hook", bound=Callable[..., object])
+from lightning_zero.engine.core.hooks import EngineHook
+
 _REASON = (
     "a lightning_zero stage-3 hook: it gathers or frees a unit's parameters, with collectives, so it runs eagerly "
     "and the graph breaks at the unit. For one graph without breaks (fullgraph=True), make each compiled module "
@@ -50,12 +50,22 @@ _REASON = (
 _DISABLE_KWARGS = {"reason": _REASON} if "reason" in inspect.signature(torch.compiler.disable).parameters else {}
 
 
-def outside_graphs(hook: _Hook) -> _Hook:
+class _EagerHook(EngineHook):
+    """An engine hook that runs eagerly even when compiled code calls it. Disabling the class's ``__call__`` (not
+    the wrapped function) is what lets a block compiled with ``fullgraph=True`` call it: Dynamo skips a disabled
+    ``__call__`` as it skips a disabled function given as the hook, where a call into an object that then calls
+    a disabled function is a graph break."""
+
+    __call__ = torch.compiler.disable(EngineHook.__call__, **_DISABLE_KWARGS)
+
+
+def outside_graphs(hook: Callable[..., object]) -> EngineHook:
     """``hook``, run eagerly even when compiled code calls it: Dynamo ends its graph before the call and
-    resumes after it (see [Note: torch.compile]).
+    resumes after it (see [Note: torch.compile]); copied and pickled as a detached hook (see [Note: copies of a
+    sharded module] in ``engine/core/hooks.py``).
 
     Example::
 
         module.register_forward_pre_hook(outside_graphs(gather_unit))
     """
-    return torch.compiler.disable(hook, **_DISABLE_KWARGS)
+    return _EagerHook(hook)

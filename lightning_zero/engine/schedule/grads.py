@@ -116,7 +116,7 @@ from torch.autograd import Variable
 
 from lightning_zero.engine.comm.comm import Comm
 from lightning_zero.engine.comm.labels import label
-from lightning_zero.engine.core.placeholder import passthrough
+from lightning_zero.engine.core.placeholder import check_conversion, passthrough
 from lightning_zero.engine.core.unit import ShardedUnit
 from lightning_zero.engine.errors import ShardedGradientError
 from lightning_zero.engine.schedule.reduce import ReducedGrads, reduce_grads, reduce_numel
@@ -166,6 +166,10 @@ class GradMarker(torch.Tensor):
                 else:
                     tensor.zero_()
             return None
+        if func is _aten._to_copy.default:  # ``module.to(...)`` converts every .grad after its parameter
+            marker, kwargs = args[0], kwargs or {}
+            where = f"the .grad of a parameter of shape {tuple(marker.shape)}"
+            check_conversion(where, marker, kwargs.get("dtype") or marker.dtype, kwargs.get("device") or marker.device)
         raise ShardedGradientError(
             f"{func.__name__} on the .grad of a parameter of shape {tuple(args[0].shape) if args else '?'}: under ZeRO "
             "the reduced gradient exists only as each rank's shard, so the module's .grad is a marker. For the "

@@ -69,6 +69,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.engine.comm.labels import label
+from lightning_zero.engine.core.hooks import EngineHook
 from lightning_zero.engine.core.unit import ShardedUnit, UnitPhase
 from lightning_zero.engine.errors import FoldedModuleError
 from lightning_zero.engine.schedule.compiled import outside_graphs
@@ -134,7 +135,7 @@ class Stage3Hooks:
                 if not any(id(p) in mine for p in module.parameters(recurse=False)):
                     continue
                 where = name if unit.name.startswith("<") else f"{unit.name}.{name}"
-                self._fold_checks.append(module.register_forward_pre_hook(self._check_folded(unit, where)))
+                self._fold_checks.append(module.register_forward_pre_hook(EngineHook(self._check_folded(unit, where))))
 
     def _check_folded(self, unit: ShardedUnit, where: str):
         def hook(_module: torch.nn.Module, _args: Any) -> None:
