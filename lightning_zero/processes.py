@@ -94,6 +94,7 @@ def run_on_cpu_ranks(
     name: str | None = None,
     start_method: str = "spawn",
     rendezvous: str = "file",
+    grace: float = 0.0,
     **kwargs: Any,
 ) -> list[Any]:
     """``fn(rank, world_size, **kwargs)`` on ``world_size`` CPU processes; every rank's value, by rank.
@@ -103,7 +104,9 @@ def run_on_cpu_ranks(
     of a server that can import the heavy modules once, see ``set_forkserver_preload``); every rank
     gets the caller's environment variables of the moment either way. ``rendezvous``: ``"file"`` (a ``file://``
     rendezvous in a temporary directory, no port races) or ``"tcp"`` (a ``TCPStore`` hosted by rank 0, as torchrun
-    and Lightning's launchers set up: it ends with rank 0's process). Example::
+    and Lightning's launchers set up: it ends with rank 0's process). ``grace``: once a rank has failed or died, the
+    seconds the others get to end on their own (to see what the survivors of a killed rank report) before every rank
+    still running is killed. Example::
 
         def world(rank: int, world_size: int) -> int:
             return torch.distributed.get_world_size()
@@ -157,7 +160,9 @@ def run_on_cpu_ranks(
             for p in procs:
                 p.join(timeout=max(1.0, deadline - time.monotonic()))
         finally:
+            ends = time.monotonic() + grace
             for p in procs:
+                p.join(timeout=max(0.0, ends - time.monotonic()))
                 if p.is_alive():
                     p.kill()
                     p.join()

@@ -36,10 +36,18 @@ mp.set_forkserver_preload([*_PRELOAD, "tests.models"])
 
 
 def spawn(
-    fn: Callable[..., Any], world_size: int = 2, timeout: float = 300.0, rendezvous: str = "file", **kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    timeout: float = 300.0,
+    rendezvous: str = "file",
+    grace: float = 0.0,
+    **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` processes; return the values by rank."""
-    return run_on_cpu_ranks(fn, world_size, timeout=timeout, start_method="forkserver", rendezvous=rendezvous, **kwargs)
+    """Run ``fn(rank, world_size, **kwargs)`` on ``world_size`` processes; return the values by rank. ``grace``: the
+    seconds the other ranks get to end on their own after one failed or died."""
+    return run_on_cpu_ranks(
+        fn, world_size, timeout=timeout, start_method="forkserver", rendezvous=rendezvous, grace=grace, **kwargs
+    )
 
 
 def spawn_killed(fn: Callable[..., Any], timeout: float = 300.0, **kwargs: Any) -> None:

@@ -192,7 +192,7 @@ class ZeRODriver:
             if self.failed:
                 # The ranks waiting for this one stop at once; they know already when a peer went away.
                 secondary = isinstance(exception, PeerFailureError) or peer_went_away(exception)
-                self.control.report_failure(exception, linger=not secondary)
+                self.control.report_failure(exception, secondary=secondary)
         if broken:
             assert self.sharded is not None
             abort_if_broken(self.sharded.comm)

@@ -81,7 +81,9 @@ def code_of(text: str) -> int:
 
 @dataclass
 class _State:
-    status: str  # "running", "waiting", "failed" (``what`` is the error) or "mismatch" (``what`` is the message)
+    # "running", "waiting", "failed" (``what`` is the error), "lost" (``what`` is the error of a peer gone: see
+    # ``report_failure``) or "mismatch" (``what`` is the message)
+    status: str
     token: int
     group: str = ""
     index: int = -1
@@ -495,22 +497,31 @@ class ControlChannel:
         if verdict and verdict not in str(error):
             error.args = (f"{error}\nlightning_zero: {verdict}", *error.args[1:])
 
-    def report_failure(self, error: BaseException, linger: bool = True) -> None:
+    def report_failure(self, error: BaseException, secondary: bool = False) -> None:
         """Tell the other ranks, through the store, that this rank failed and why (best effort). A deadlock this
         rank found is passed on as it is, so that every rank raises the same ``CollectiveMismatchError``.
-        ``linger``: on rank 0, stay until the others have read it (see [Note: every rank is told]); pass ``False``
-        for a failure that another rank caused (a peer that went away), which the others know already."""
+        ``secondary``: a failure that another rank caused (a peer that went away, or one whose failure this rank
+        read), published as ``lost``, which names no culprit (see [Note: a failure another rank caused]); otherwise,
+        on rank 0, stay until the others have read it (see [Note: every rank is told]).
+
+        [Note: a failure another rank caused]
+        A rank that is killed (SIGKILL, the out-of-memory killer, a lost host) publishes nothing. Its neighbours in
+        gloo's ring or NCCL's communicator see their connection to it close and fail with the backend's error
+        ("Connection closed by peer"), often before the ranks that were not talking to it find anything. Were they
+        to publish that as their own failure, the others would name a surviving rank as the one that failed. So
+        such a failure is ``lost``: it tells the ranks still waiting to stop (another rank is gone), it names the
+        ranks that saw the loss, and a real failure published by any rank is named before it."""
         if self.store is None:
             return
         if isinstance(error, CollectiveMismatchError):
             state = _State("mismatch", 0, what=str(error))
         else:
             text = f"{type(error).__name__}: {error}".strip().splitlines()
-            state = _State("failed", 0, what=text[0][:300] if text else type(error).__name__)
+            state = _State("lost" if secondary else "failed", 0, what=text[0][:300] if text else type(error).__name__)
         try:
             self._publish(state)
             self._acknowledge()
-            if self.rank == 0 and linger:  # the others learn it from the store this rank hosts
+            if self.rank == 0 and not secondary:  # the others learn it from the store this rank hosts
                 self._linger()
         except (RuntimeError, OSError):  # the store's host (rank 0) may be gone already
             pass
@@ -545,13 +556,17 @@ class ControlChannel:
             if state.status == "mismatch" and r != self.rank:
                 return CollectiveMismatchError(state.what)  # found by rank r first: the same error everywhere
         failed = [(r, s) for r, s in enumerate(states) if s.status == "failed" and r != self.rank]
+        mine = states[self.rank].what if states[self.rank].status == "waiting" else ""
+        waited = f"; rank {self.rank} was waiting for it in: {mine}" if mine else ""
         if failed:
             lines = "; ".join(f"rank {r} failed with {s.what}" for r, s in failed)
-            mine = states[self.rank].what if states[self.rank].status == "waiting" else ""
+            return PeerFailureError(f"{lines}{waited}. The cause is in the failed rank's traceback.")
+        lost = [r for r, s in enumerate(states) if s.status == "lost" and r != self.rank]
+        if lost:  # see [Note: a failure another rank caused]
             return PeerFailureError(
-                f"{lines}"
-                + (f"; rank {self.rank} was waiting for it in: {mine}" if mine else "")
-                + ". The cause is in the failed rank's traceback."
+                f"another rank exited or was killed without reporting an error (rank(s) {', '.join(map(str, lost))} "
+                f"lost the connection to it){waited}. Its exit code or the job's log says which and why (SIGKILL, "
+                "the out-of-memory killer, a lost host)."
             )
         if previous is None or [(s.status, s.token) for s in states] != [(s.status, s.token) for s in previous]:
             return None
