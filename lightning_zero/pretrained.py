@@ -10,9 +10,11 @@ serves every strategy.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_zero.engine.io.weight_files import WeightFiles
@@ -46,7 +48,8 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     id, resolved to its local snapshot first (``local_checkpoint``).
     While a model is being built on the meta device (``configure_model`` under stage 3's ``meta_init``, or
     ``fabric.init_module()``), the model is built there with its initialization skipped, and each rank reads
-    its shards of the weights when the strategy sets the model up; the values equal ``from_pretrained``'s.
+    its shards of the weights when the strategy sets the model up; the values equal ``from_pretrained``'s. So do
+    the files read where a directory holds several layouts (``WeightFiles.open``) and the dtype (``model_dtype``).
     Anywhere else this is ``model_class.from_pretrained(path, **kwargs)`` itself.
 
     Example::
@@ -66,19 +69,23 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     path = local_checkpoint(path, kwargs.pop("revision", None))
     model_kwargs = {name: kwargs.pop(name) for name in _MODEL_ARGUMENTS if name in kwargs}
     config = kwargs.pop("config", None)
+    subfolder = kwargs.pop("subfolder", "")  # where in ``path`` the config and the weights are, as there
     if config is None:
         trust = model_kwargs.get("trust_remote_code", False)
         config, unused = transformers.AutoConfig.from_pretrained(
-            path, return_unused_kwargs=True, trust_remote_code=trust, **kwargs
+            path, return_unused_kwargs=True, trust_remote_code=trust, subfolder=subfolder, **kwargs
         )
     else:
-        unused = kwargs
+        config, unused = copy.deepcopy(config), kwargs  # as from_pretrained: the dtype is recorded in a copy
     if unused:
         raise TypeError(
             f"lightning_zero.from_pretrained does not take {', '.join(sorted(unused))} (not a config attribute); "
             f"it takes the model arguments {', '.join(_MODEL_ARGUMENTS)}, config=..., and config attributes"
         )
-    files = WeightFiles.open(path)
+    files = WeightFiles.open(Path(path) / subfolder, getattr(config, "transformers_weights", None))
+    dtype = model_dtype(model_kwargs.pop("dtype", None), model_kwargs.pop("torch_dtype", None), config, files)
+    # transformers' from_config takes it as ``dtype`` since 4.56 (``torch_dtype`` before, deprecated since).
+    model_kwargs["dtype" if _transformers_version() >= (4, 56) else "torch_dtype"] = dtype
     with no_init_weights():  # the values come from the files: initializing them would be wasted (and recorded)
         if hasattr(model_class, "from_config"):  # an Auto class
             model = model_class.from_config(config, **model_kwargs)
@@ -89,10 +96,73 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     trace.weight_loads.append(load)
     for module in model.modules():  # as from_pretrained marks what it loaded (transformers >= 5 checks it)
         module._is_hf_initialized = True
-    if model.can_generate() and (Path(path) / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
+    if model.can_generate() and (Path(path) / subfolder / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(path, subfolder=subfolder)
     model.eval()  # as from_pretrained returns it
     return model
+
+
+def model_dtype(dtype: Any, torch_dtype: Any, config: Any, files: WeightFiles) -> torch.dtype:
+    """The dtype transformers' ``from_pretrained(path, dtype=dtype, torch_dtype=torch_dtype)`` builds the model in,
+    with ``config`` updated as it updates it (``_get_dtype`` in transformers' modeling_utils.py).
+
+    ``dtype`` wins where both are given. Neither: torch's default dtype (float32) in transformers 4, which
+    records it in the config; ``"auto"`` in transformers 5, which changed that default. ``"auto"``: the dtype the
+    config records (``dtype``, or ``torch_dtype`` as older versions write it), else the weights' (the first
+    floating-point tensor of the first file). A name (``"bfloat16"``) or a ``torch.dtype``: that one, recorded in
+    the config and its sub-configs. A dict: per sub-config, ``""`` for the rest (float32 without it).
+    """
+    requested = dtype if dtype is not None else torch_dtype
+    if requested is None:
+        requested = "auto" if _transformers_version() >= (5, 0) else torch.get_default_dtype()
+    if isinstance(requested, str) and requested == "auto":
+        return _config_dtype(config) or files.weights_dtype() or torch.get_default_dtype()
+    if isinstance(requested, dict):
+        for sub, value in requested.items():
+            if sub and hasattr(config, sub):
+                _set_config_dtype(getattr(config, sub), _as_dtype(value))
+        main = _as_dtype(requested[""]) if requested.get("") is not None else None
+        _set_config_dtype(config, main, sub_configs=False)  # None where the dict has no "", as there
+        return main or torch.float32
+    main = _as_dtype(requested)
+    _set_config_dtype(config, main)
+    return main
+
+
+def _as_dtype(value: Any) -> torch.dtype:
+    found = getattr(torch, value, None) if isinstance(value, str) else value
+    if not isinstance(found, torch.dtype):
+        raise ValueError(
+            f"dtype={value!r} is not a dtype: pass a torch.dtype (torch.bfloat16), its name ('bfloat16'), 'auto' "
+            "(the checkpoint's dtype) or a dict of them per sub-config, as to from_pretrained"
+        )
+    return found
+
+
+def _config_dtype(config: Any) -> torch.dtype | None:
+    """The dtype ``config`` records, read without transformers' deprecation warning for ``torch_dtype``."""
+    recorded = vars(config).get("dtype", vars(config).get("torch_dtype"))
+    if isinstance(recorded, str):
+        recorded = getattr(torch, recorded, None)
+    return recorded if isinstance(recorded, torch.dtype) else None
+
+
+def _set_config_dtype(config: Any, dtype: torch.dtype | None, sub_configs: bool = True) -> None:
+    """Record ``dtype`` in ``config`` (and its sub-configs) under the attribute its version uses."""
+    configs = [config]
+    if sub_configs:
+        configs += [getattr(config, key) for key in getattr(config, "sub_configs", {}) if hasattr(config, key)]
+    for each in configs:
+        if each is not None:
+            old_name = "torch_dtype" in vars(each) and "dtype" not in vars(each)  # transformers before 4.56
+            setattr(each, "torch_dtype" if old_name else "dtype", dtype)
+
+
+def _transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def load_weights(module: nn.Module, path: str | Path) -> nn.Module:

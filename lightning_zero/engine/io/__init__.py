@@ -1,6 +1,6 @@
 """Files: crash-safe writes and commits (``files``), reads that refuse hostile or corrupt files (``safe_read``,
 ``checksums``), the ``torch.save`` format written in parallel (``torch_file``) and pretrained weight files
-(``weight_files``).
+(``weight_files``, their safetensors headers checked by ``safetensors_header``).
 
 Imports only ``engine.errors`` and torch; knows nothing about shards.
 """

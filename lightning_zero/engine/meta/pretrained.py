@@ -16,7 +16,10 @@ about its share of the file; the values are the file's, cast to the parameter's 
 
 The checks run when the load is recorded, on every rank alike: every parameter must be found in the
 files (under its own name, any name it is tied under, or with the model's ``base_model_prefix``
-added or removed, as transformers maps them), with the same shape. A load refers to the parameter
+added or removed, as transformers maps them), with the same shape, in a dtype torch can hold, and a
+floating-point one for a floating-point parameter or buffer: an integer or boolean tensor cast into a
+float weight would train on numbers that were never weights (transformers refuses it too). Tensors of
+the files that nothing loads are not looked at beyond their header. A load refers to the parameter
 and buffer *objects* (the meta tensors), not to their names, because code after the load may move
 them in the module tree: peft's ``get_peft_model`` puts a LoRA layer's original weight under
 ``...q_proj.base_layer.weight``. Their names are resolved when setup begins (``resolve_weight_loads``,
@@ -82,6 +85,8 @@ def plan_weight_load(module: nn.Module, files: WeightFiles, prefix: str = "", so
             missing.append(names[0])
         elif files.shape(key) != shape:
             wrong.append(f"{names[0]} (the file's {key!r} has shape {files.shape(key)}, the model's {shape})")
+        elif (problem := _dtype_problem(files, key, tensors[ident].dtype)) is not None:
+            wrong.append(f"{names[0]} ({problem})")
         else:
             params[ident] = (tensors[ident], key)
     buffers: dict[int, tuple[torch.Tensor, str]] = {}
@@ -91,11 +96,17 @@ def plan_weight_load(module: nn.Module, files: WeightFiles, prefix: str = "", so
                 continue
             full = f"{mod_name}.{name}" if mod_name else name
             key = next((k for k in candidates(full) if k in files), None)
-            if key is not None:
+            if key is None:
+                continue
+            if (problem := _dtype_problem(files, key, buf.dtype)) is not None:
+                wrong.append(f"buffer {full} ({problem})")
+            else:
                 buffers[id(buf)] = (buf, key)
     where = f" of {source}" if source else ""
     if wrong:
-        raise MetaInitError(f"{len(wrong)} parameter(s) do not match the weights{where}: {'; '.join(wrong[:4])}")
+        raise MetaInitError(
+            f"{len(wrong)} tensor(s) of the model do not match the weights{where}: {'; '.join(wrong[:4])}"
+        )
     if missing:
         raise MetaInitError(
             f"{len(missing)} parameter(s) are not in the weights{where}: {', '.join(missing[:8])}. Loading a model "
@@ -103,6 +114,23 @@ def plan_weight_load(module: nn.Module, files: WeightFiles, prefix: str = "", so
             "model in configure_model instead of inside it, where they are initialized as usual."
         )
     return WeightLoad(files, params, buffers, source)
+
+
+def _dtype_problem(files: WeightFiles, key: str, target: torch.dtype) -> str | None:
+    """Why tensor ``key`` of ``files`` cannot fill a tensor of dtype ``target``, or ``None``: its dtype must be one
+    torch has, and an integer, boolean or complex one only fills a tensor that is not floating-point (as in
+    transformers, which casts only floating-point weights)."""
+    stored = files.dtype(key)
+    name = files.dtype_name(key)
+    if stored is None:
+        return f"the file's {key!r} is stored as {name}, which torch {torch.__version__} has no dtype for"
+    if target.is_floating_point and not stored.is_floating_point:
+        return (
+            f"the file's {key!r} is {name} ({stored}), the model's is {target}: an integer, boolean or complex "
+            "tensor is not cast into a floating-point one; these files do not hold this model's weights, or the "
+            "tensor was saved in the wrong dtype"
+        )
+    return None
 
 
 def resolve_weight_loads(root: nn.Module, loads: list[WeightLoad]) -> ResolvedLoads:
