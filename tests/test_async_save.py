@@ -78,6 +78,23 @@ class _SaveAtStep(Callback):
             self.release.set()
 
 
+class _MutatedEveryStep(Callback):
+    """Objects a callback puts into the checkpoint (``on_save_checkpoint``) that are not tensors and that it changes in
+    place every step (a set, a bytearray): a save holds them as they were at its step, as a synchronous save does,
+    not as the background write finds them steps later."""
+
+    def __init__(self) -> None:
+        self.steps: set[int] = set()
+        self.trail = bytearray()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.steps.add(trainer.global_step)
+        self.trail.append(trainer.global_step)
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint["mutable"] = {"steps": self.steps, "trail": self.trail}
+
+
 def _entries_equal(got: Any, want: Any, where: str) -> None:
     if isinstance(want, torch.Tensor):
         assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), where
@@ -105,12 +122,14 @@ def _save_during_training(rank: int, root: Path) -> None:
             strategy = STRATEGIES[stage](checkpoint_format=checkpoint_format, async_save=asynchronous)
             with _held_writes() as release:
                 callback = _SaveAtStep(path, at=2, release=release if asynchronous else None)
-                quiet_trainer(strategy=strategy, devices=2, max_steps=6, callbacks=[callback]).fit(_model())
+                callbacks = [_MutatedEveryStep(), callback]  # updated before the save of its step
+                quiet_trainer(strategy=strategy, devices=2, max_steps=6, callbacks=callbacks).fit(_model())
             assert callback.returned_before_written == asynchronous, (stage, checkpoint_format)
             assert path.exists()  # the end of the run waited for it
             paths[asynchronous] = path
         got, want = consolidate_checkpoint(paths[True]), consolidate_checkpoint(paths[False])
         assert want["global_step"] == 2
+        assert got["mutable"] == want["mutable"] == {"steps": {1, 2}, "trail": bytearray([1, 2])}, got["mutable"]
         _entries_equal(got, want, f"stage {stage} {checkpoint_format}")
         hidden = [p.name for p in root.iterdir() if p.name.startswith(".")]
         assert hidden == [], hidden
@@ -226,6 +245,23 @@ def test_background_saves_through_the_trainer_equal_synchronous_ones(tmp_path: P
     spawn(_cases, world_size=2, timeout=600, root=str(tmp_path))
 
 
+def test_staging_copies_every_object_as_it_is_at_the_save() -> None:
+    """``stage_on_host`` alone: objects that are not tensors are copied (what two entries share stays shared, a state
+    dict's attributes too), so changes after the save do not reach it; an object that cannot be copied is refused
+    with its place named."""
+    seen = {1, 2}
+    state = torch.nn.Linear(2, 2).state_dict()
+    checkpoint = {"a": seen, "b": [seen, bytearray(b"12")], "state_dict": state}
+    staged = background.stage_on_host(checkpoint, background.PinnedBuffers()).state
+    seen.add(3)
+    checkpoint["b"][1].append(ord("3"))
+    state._metadata[""]["version"] = 99  # type: ignore[attr-defined]
+    assert staged["a"] == {1, 2} and staged["b"] == [{1, 2}, bytearray(b"12")] and staged["a"] is staged["b"][0]
+    assert staged["state_dict"]._metadata[""]["version"] == 1
+    with pytest.raises(TypeError, match=r"checkpoint\['b'\]\[1\] \(a lock\) cannot be copied .*async_save=False"):
+        background.stage_on_host({"a": 1, "b": [2, threading.Lock()]}, background.PinnedBuffers())
+
+
 # ---------------------------------------------------------------------- Fabric
 class _Net(nn.Module):
     def __init__(self) -> None:
@@ -236,12 +272,23 @@ class _Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _fabric_steps(fabric: L.Fabric, model: Any, optimizer: Any, steps: int, generator: torch.Generator) -> None:
+def _fabric_steps(
+    fabric: L.Fabric,
+    model: Any,
+    optimizer: Any,
+    steps: int,
+    generator: torch.Generator,
+    mutated: tuple[set[int], bytearray],
+) -> None:
+    """``steps`` steps; each adds its number to the set and the bytearray of ``mutated``, in place."""
+    seen, log = mutated
     for _ in range(steps):
         x, y = torch.randn(4, 8, generator=generator), torch.randn(4, 1, generator=generator)
         fabric.backward(nn.functional.mse_loss(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
+        seen.add(len(seen) + 1)
+        log.append(len(log) + 1)
 
 
 def _fabric(rank: int, world_size: int, root: str) -> None:
@@ -256,11 +303,13 @@ def _fabric(rank: int, world_size: int, root: str) -> None:
             module = _Net()
             model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
             generator = torch.Generator().manual_seed(2 + rank)
+            mutated: tuple[set[int], bytearray] = (set(), bytearray())  # user values in the state, changed in place
             with _held_writes() as release:
-                _fabric_steps(fabric, model, optimizer, 2, generator)
-                fabric.save(path, {"model": model, "optimizer": optimizer, "step": 2})
+                _fabric_steps(fabric, model, optimizer, 2, generator, mutated)
+                state = {"model": model, "optimizer": optimizer, "step": 2, "seen": mutated[0], "log": mutated[1]}
+                fabric.save(path, state)
                 assert path.exists() != asynchronous
-                _fabric_steps(fabric, model, optimizer, 2, generator)  # training goes on
+                _fabric_steps(fabric, model, optimizer, 2, generator, mutated)  # training goes on
                 assert path.exists() != asynchronous
                 release.set()
                 fabric.strategy.finish_saves()
@@ -268,6 +317,7 @@ def _fabric(rank: int, world_size: int, root: str) -> None:
             full = checkpoint_format == "full"
             saved[asynchronous] = torch.load(path, weights_only=True) if full else consolidate_checkpoint(path)
             assert saved[asynchronous]["step"] == 2
+            assert (saved[asynchronous]["seen"], saved[asynchronous]["log"]) == ({1, 2}, bytearray([1, 2]))
             fabric.strategy.teardown()
         _entries_equal(saved[True], saved[False], f"fabric {checkpoint_format}")
 

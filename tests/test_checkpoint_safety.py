@@ -24,7 +24,7 @@ import sys
 import time
 import warnings
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -546,6 +546,150 @@ def _fail_on_one_rank(rank: int, world_size: int, root: str) -> None:
 
 def test_a_save_that_fails_on_one_rank_fails_everywhere_and_leaves_nothing_behind(tmp_path: Path) -> None:
     spawn(_fail_on_one_rank, world_size=2, timeout=300, root=str(tmp_path))
+
+
+class _DeleteDuringSave:
+    """Stands in for the save protocol's ``crash_point`` (``engine/checkpoint/saving.py``): at ``point`` of this
+    process's save number ``nth`` rank 0 deletes ``doomed``, as a user's ``rm -rf`` or another job's clean-up would;
+    at ``partial``, which every rank reaches, once every rank is there (marker files in ``markers``: no rank still
+    reads what it wrote). Rank 0 alone reaches ``before-commit``, after every rank's writes."""
+
+    def __init__(self, markers: Path, rank: int, world_size: int, point: str, nth: int, doomed: Path) -> None:
+        self.markers, self.rank, self.world_size = markers, rank, world_size
+        self.point, self.nth, self.doomed = point, nth, doomed
+        self.saves = 0
+
+    def __call__(self, name: str, path: Path | None = None) -> None:
+        self.saves += name == "start"
+        if name != self.point or self.saves != self.nth:
+            return
+        (self.markers / f"{self.rank}").touch()
+        if self.rank == 0:
+            deadline = time.monotonic() + 60
+            while self.point == "partial" and not all((self.markers / f"{r}").exists() for r in range(self.world_size)):
+                assert time.monotonic() < deadline, "a rank never reached the point of the deletion"
+                time.sleep(0.01)
+            shutil.rmtree(self.doomed)
+
+
+@contextmanager
+def _deleting(deletion: Callable[..., None]) -> Iterator[None]:
+    from lightning_zero.engine.checkpoint import saving
+
+    saving.crash_point = deletion  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        saving.crash_point = files.crash_point
+
+
+# format, async_save, point, which save, what is deleted ("directory": the folder the checkpoints are saved into)
+DELETIONS = [
+    ("sharded", False, "before-commit", 2, "last.ckpt"),  # replaced in place: meta.pt's write recreated it
+    ("sharded", True, "before-commit", 2, "last.ckpt"),  # raised at the end of fit
+    ("sharded", False, "partial", 1, "directory"),  # a new checkpoint's temporary directory goes with it
+    ("sharded", True, "partial", 1, "directory"),  # raised by the next save
+    ("full", False, "before-commit", 2, "directory"),
+    ("full", True, "before-commit", 1, "directory"),
+]
+
+
+def _delete_mid_save(rank: int, world_size: int, root: str) -> None:
+    from lightning_zero.fabric import ZeRO3Strategy as ZeRO3FabricStrategy
+
+    for checkpoint_format, asynchronous, point, nth, doomed in DELETIONS:
+        case = Path(root, f"{checkpoint_format}-{'async' if asynchronous else 'sync'}-{point}")
+        directory = case / "checkpoints"
+        (case / "markers").mkdir(parents=True, exist_ok=True)
+        target = directory if doomed == "directory" else directory / "last.ckpt"
+        torch.manual_seed(0)
+        trainer = quiet_trainer(
+            strategy=_strategy(checkpoint_format, asynchronous),
+            devices=world_size,
+            max_epochs=2,
+            callbacks=[_SaveLast(directory)],
+        )
+        with _deleting(_DeleteDuringSave(case / "markers", rank, world_size, point, nth, target)):
+            with pytest.raises(CheckpointSaveError, match=rf"failed on rank\(s\) \[0\].*'{directory}.*is missing"):
+                trainer.fit(_model())
+        trainer.strategy.barrier()
+        # Nothing committed that names missing pieces; nothing recreated, nothing left behind.
+        left = sorted(str(p.relative_to(directory)) for p in directory.rglob("*")) if directory.exists() else []
+        assert left == [], (checkpoint_format, asynchronous, point, left)
+
+    # Fabric: the failure of a background save is raised by the next save, on every rank.
+    directory = Path(root, "fabric")
+    (directory / "markers").mkdir(parents=True, exist_ok=True)
+    strategy = ZeRO3FabricStrategy(checkpoint_format="sharded", async_save=True)
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(0)
+    module = torch.nn.Linear(4, 4)
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters()))
+    state = {"model": model, "optimizer": optimizer}
+    last = directory / "last.ckpt"
+    with _deleting(_DeleteDuringSave(directory / "markers", rank, world_size, "before-commit", 2, last)):
+        fabric.save(last, state)
+        fabric.save(last, state)  # in place; deleted before its commit
+        with pytest.raises(CheckpointSaveError, match=rf"failed on rank\(s\) \[0\].*'{last}.*is missing"):
+            fabric.save(directory / "next.ckpt", state)
+    fabric.barrier()
+    assert sorted(p.name for p in directory.iterdir()) == ["markers"]
+    fabric.strategy.teardown()
+
+
+def test_a_checkpoint_deleted_during_its_save_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    """The directory a save writes into, deleted before the save commits (sync and ``async_save``, both formats,
+    both doors): the save raises on every rank, naming what is missing, and commits nothing (sizes are checked too:
+    ``test_a_commit_checks_every_piece_it_names``)."""
+    spawn(_delete_mid_save, world_size=2, timeout=300, root=str(tmp_path))
+
+
+class _DamageBeforeCommit:
+    """Stands in for ``crash_point``: just before the commit, the file of the save matching ``pattern`` in ``root``
+    is cut short by a byte or deleted; ``expected``: how the failure must name it."""
+
+    def __init__(self, root: Path, pattern: str, cut: bool) -> None:
+        self.root, self.pattern, self.cut = root, pattern, cut
+        self.expected = ""
+
+    def __call__(self, point: str, path: Path | None = None) -> None:
+        if point != "before-commit":
+            return
+        (found,) = self.root.glob(self.pattern)
+        size = found.stat().st_size
+        if self.cut:
+            os.truncate(found, size - 1)
+            self.expected = f"'{found}' holds {size - 1} bytes, but this save wrote {size}"
+        else:
+            found.unlink()
+            self.expected = f"'{found}' is missing: it was deleted or moved while the checkpoint was being saved"
+
+
+def test_a_commit_checks_every_piece_it_names(tmp_path: Path) -> None:
+    """One process, both formats: a file the save wrote, cut short or deleted before the commit, fails the save with
+    the file named, and nothing is committed."""
+    from lightning_zero.engine.checkpoint import saving
+    from lightning_zero.engine.io.torch_file import FlatPiece
+
+    ranks = saving.Ranks(0, 1, lambda obj: obj)
+    weight = torch.arange(12.0)
+    cases = [
+        ("a.ckpt", ".a.ckpt.tmp-*/shards-*/__0_0.distcp", True),
+        ("a.ckpt", ".a.ckpt.tmp-*/shards-*/.metadata", False),
+        ("b.ckpt", ".b.ckpt.tmp-*", True),
+    ]
+    for name, pattern, cut in cases:
+        damage = _DamageBeforeCommit(tmp_path, pattern, cut)
+        with _deleting(damage), warnings.catch_warnings(), pytest.raises(CheckpointSaveError) as error:
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # DCP on one process
+            if name == "a.ckpt":
+                saving.save_sharded_directory(ranks, {"model/w": weight}, {"epoch": 0}, {}, tmp_path / name)
+            else:
+                piece = FlatPiece("model/w", weight.shape, weight.dtype, weight, 0)
+                saving.save_full(ranks, {"state_dict": {"w": piece}}, tmp_path / name)
+        assert damage.expected and damage.expected in str(error.value), (damage.expected, str(error.value))
+        assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing committed, nothing left behind"
 
 
 class _FillTheDisk(Callback):

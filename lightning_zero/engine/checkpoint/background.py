@@ -9,9 +9,14 @@ thread, and training goes on:
   and optimizer states, buffers, scalar states) and rebuilds every container (dicts, lists, tuples) around
   the copies, in the training thread, at the save's point of the step: the next optimizer step updates the
   shards in place, and Lightning's callbacks keep mutating the dicts their ``state_dict`` returned
-  (``ModelCheckpoint.best_k_models``). Other objects (numbers, strings, hyper-parameters) are shared, as
-  Lightning's ``AsyncCheckpointIO`` shares them. A tensor's identity is kept: a piece saved under two tied
-  names is copied once and written once. On the CPU a copy is a ``clone``, freed when the write is done. A
+  (``ModelCheckpoint.best_k_models``). Every other object is deep-copied (``copy.deepcopy``, one memo for
+  the whole checkpoint, so what two entries share stays shared): a ``set``, a ``bytearray``, a NumPy array
+  or a user's object that ``on_save_checkpoint`` or ``fabric.save``'s state holds may change in place in the
+  next steps, and the write must see what a synchronous save at this point would (Lightning's
+  ``AsyncCheckpointIO`` shares them; immutable ones, numbers and strings, cost nothing: ``deepcopy`` returns
+  them). An object that cannot be copied is refused with its place in the checkpoint named, before
+  anything is written. A tensor's identity is kept: a piece saved under two tied names is copied once and
+  written once. On the CPU a copy is a ``clone``, freed when the write is done. A
   CUDA tensor is copied into a pinned host buffer with ``non_blocking=True`` on the current stream, and an
   event recorded after the copies; the host does not wait: kernels queued later on that stream (the next
   step's optimizer update of the same shards) run after the copies, by stream order, so nothing is
@@ -124,7 +129,9 @@ def stage_on_host(obj: Any, pinned: PinnedBuffers, cpu_mesh: Callable[[], Device
             )
         return cpu_mesh()
 
-    def stage(item: Any) -> Any:
+    copies: dict[int, Any] = {}  # copy.deepcopy's memo, shared by every object copied
+
+    def stage(item: Any, where: str) -> Any:
         if id(item) in memo:
             return memo[id(item)]
         if isinstance(item, FlatPiece):
@@ -141,26 +148,41 @@ def stage_on_host(obj: Any, pinned: PinnedBuffers, cpu_mesh: Callable[[], Device
         elif isinstance(item, torch.Tensor):
             result = host(item)
         elif isinstance(item, dict):
-            result = copy.copy(item)  # keeps the type and attributes (a state dict's _metadata)
+            result = copy.copy(item)  # keeps the type and attributes (a state dict's _metadata), copied below
             for key, value in item.items():
-                result[key] = stage(value)
+                result[key] = stage(value, f"{where}[{key!r}]")
+            for name, value in vars(item).items() if hasattr(item, "__dict__") else ():
+                result.__dict__[name] = stage(value, f"{where}.{name}")
         elif isinstance(item, list):
-            result = [stage(value) for value in item]
+            result = [stage(value, f"{where}[{i}]") for i, value in enumerate(item)]
         elif isinstance(item, tuple):
-            values = [stage(value) for value in item]
+            values = [stage(value, f"{where}[{i}]") for i, value in enumerate(item)]
             result = type(item)(*values) if hasattr(item, "_fields") else type(item)(values)
         else:
-            return item
+            result = copy_value(item, where, copies)
         memo[id(item)] = result
         return result
 
-    state = stage(obj)
+    state = stage(obj, "checkpoint")
     events = []
     for device in devices:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)
     return Staged(state, events)
+
+
+def copy_value(value: Any, where: str, memo: dict[int, Any]) -> Any:
+    """A deep copy of ``value`` (at ``where`` in the checkpoint), as a synchronous save would write it now; an object
+    that cannot be copied is refused with its place named (see [Note: asynchronous saves])."""
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception as err:
+        raise TypeError(
+            f"an asynchronous save copies the checkpoint when it is saved, and {where} (a {type(value).__name__}) "
+            f"cannot be copied ({type(err).__name__}: {err}): make it copyable (copy.deepcopy), store its state "
+            "instead of the object, or save with async_save=False"
+        ) from err
 
 
 class BackgroundSaves:

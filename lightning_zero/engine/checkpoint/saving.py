@@ -5,7 +5,10 @@ A save is a sequence of phases, each ending in a collective where the ranks lear
 them failed; so a failure on one rank (a full disk, a write error) makes every rank raise the same
 ``CheckpointSaveError`` at the same point, instead of leaving the others waiting, and the rank that
 created the temporary files deletes them: a failed save leaves nothing behind and the previous
-checkpoint untouched. Only rank 0 commits, after every rank's data is durable (``fsync``).
+checkpoint untouched. Only rank 0 commits, after every rank's data is durable (``fsync``) and once it
+has checked that every file the commit names is still there at the size its writer recorded (see
+[Note: complete commits] in ``engine/io/files.py``): a checkpoint deleted during its save fails the save
+on every rank.
 
 - ``"full"``: rank 0 writes the file's skeleton under a hidden temporary name and broadcasts where
   each piece goes; every rank writes its pieces; rank 0 checks that the pieces cover every tensor,
@@ -47,14 +50,16 @@ from lightning_zero.engine.checkpoint.sharded import (
     CHECKSUMS_KEY,
     META_FILE,
     SHARDS_PREFIX,
-    gather_checksums,
+    WrittenShards,
     gather_to_zero,
+    gather_written,
     save_sharded,
 )
 from lightning_zero.engine.errors import CheckpointSaveError
 from lightning_zero.engine.io.checksums import PieceChecksum, join_checksums, write_checksums
 from lightning_zero.engine.io.files import (
     atomic_torch_save,
+    check_complete,
     claimed,
     commit,
     crash_point,
@@ -175,6 +180,7 @@ def save_full(ranks: Ranks, checkpoint: dict[str, Any], path: Path) -> None:
     pieces = list(pieces_in(checkpoint))
     crash_point("start", path)
     skeleton: Skeleton | None = None
+    size = 0
     error: BaseException | None = None
     lock: int | None = None
     if rank0:
@@ -182,6 +188,7 @@ def save_full(ranks: Ranks, checkpoint: dict[str, Any], path: Path) -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
             lock = hold(tmp)  # the others write into it only once they have the offsets
             skeleton = write_skeleton(checkpoint, tmp)
+            size = tmp.stat().st_size  # the pieces fill the holes the skeleton left: the size stays
         except (Exception, CheckpointException) as err:
             error = err
     offsets, report = ranks.broadcast((skeleton and skeleton.offsets, _describe(error, ranks.rank)))
@@ -202,6 +209,7 @@ def save_full(ranks: Ranks, checkpoint: dict[str, Any], path: Path) -> None:
                 )
                 write_checksums(tmp, {**skeleton.checksums, **records})
                 crash_point("before-commit", path)
+                check_complete({tmp: size})  # see [Note: complete commits] in engine/io/files.py
                 commit(tmp, path)
                 crash_point("after-commit", path)
             except (Exception, CheckpointException) as err:
@@ -255,22 +263,29 @@ def save_sharded_directory(
     error: BaseException | None = None
     try:
         _raise_if_failed(path, [made], needed)
-        mine: dict[str, int] = {}
+        mine = WrittenShards({}, {})
         try:
             mine = save_sharded(shards, directory, token, ranks.rank, ranks.group)
             crash_point("partial", path)
         except (Exception, CheckpointException) as err:
             error = err
         _raise_if_failed(path, gather_from_every_rank(ranks, _describe(error, ranks.rank)), needed)
-        checksums = gather_checksums(mine, ranks.group)
+        written = gather_written(mine, ranks.group)
         if rank0:
             try:
+                # What the commit names, in order: see [Note: complete commits] in engine/io/files.py.
+                pieces: dict[Path, int | None] = {root: None, directory: None}
+                pieces.update((directory / file, size) for file, size in sorted(written.sizes.items()))
+                checksums = written.checksums
                 record = {**meta, "lightning_zero": {**zero_meta, "save_id": token, CHECKSUMS_KEY: checksums}}
                 if not in_place:
-                    ours = atomic_torch_save(record, root / META_FILE)
+                    check_complete(pieces)
+                    ours = atomic_torch_save(record, root / META_FILE, make_parents=False)
+                    pieces[root / META_FILE] = None
                 crash_point("before-commit", path)
+                check_complete(pieces)
                 if in_place:
-                    ours = atomic_torch_save(record, root / META_FILE)  # replacing meta.pt is the commit
+                    ours = atomic_torch_save(record, root / META_FILE, make_parents=False)  # replacing it commits
                 else:
                     commit(root, path)
                 committed = True

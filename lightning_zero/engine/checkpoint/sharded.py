@@ -37,7 +37,7 @@ import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,7 @@ FORMAT_VERSION = 2
 META_FILE = "meta.pt"
 MODEL_PREFIX = "model/"
 SHARDS_PREFIX = "shards-"
+METADATA_FILE = ".metadata"  # DCP's index of the shards, in the shards directory
 CHECKSUMS_KEY = "checksums"  # in meta.pt's lightning_zero section: see [Note: shard checksums]
 
 
@@ -246,10 +247,18 @@ def plain_module_checkpoint(
     return converted, _meta(module, names, optimizers, lambda held: held)
 
 
-def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int, group: Any = None) -> dict[str, int]:
+class WrittenShards(NamedTuple):
+    """What the ranks of a sharded save wrote into its ``shards-<token>`` directory: the checksum of each stored
+    entry (see [Note: shard checksums] in ``engine/io/checksums.py``) and the size of each file, by name (checked
+    before the commit: see [Note: complete commits] in ``engine/io/files.py``)."""
+
+    checksums: dict[str, int]
+    sizes: dict[str, int]
+
+
+def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int, group: Any = None) -> WrittenShards:
     """Every rank writes its pieces of ``state``, and the save's identity, into ``directory`` (a collective over
-    ``group``, the default group if ``None``); the checksums of the entries this rank wrote (see [Note: shard
-    checksums] in ``engine/io/checksums.py``)."""
+    ``group``, the default group if ``None``); what this rank wrote."""
     identity = torch.tensor(list(save_id.encode()), dtype=torch.uint8)
     metadata = dcp.save(
         {**state, f"{SAVE_ID_PREFIX}{rank}": identity},
@@ -257,7 +266,10 @@ def save_sharded(state: dict[str, Any], directory: Path, save_id: str, rank: int
         process_group=group,
     )
     mine = [entry for entry in stored_entries(metadata) if entry.file.startswith(f"__{rank}_")]
-    return entry_checksums(directory, mine)
+    files = {entry.file for entry in mine}
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0:
+        files.add(METADATA_FILE)  # written by DCP's coordinator, rank 0 of the group
+    return WrittenShards(entry_checksums(directory, mine), {file: (directory / file).stat().st_size for file in files})
 
 
 def stored_entries(metadata: Metadata) -> list[StoredEntry]:
@@ -362,9 +374,13 @@ def gather_to_zero(value: Any, group: Any = None) -> list[Any]:
     return everyone or []
 
 
-def gather_checksums(mine: dict[str, int], group: Any = None) -> dict[str, int]:
-    """Every rank's entry checksums, joined on rank 0 (an empty table elsewhere; a collective over ``group``)."""
-    return {key: crc for table in gather_to_zero(mine, group) for key, crc in table.items()}
+def gather_written(mine: WrittenShards, group: Any = None) -> WrittenShards:
+    """What every rank wrote, joined on rank 0 (empty tables elsewhere; a collective over ``group``)."""
+    every_rank = gather_to_zero(mine, group)
+    return WrittenShards(
+        {key: crc for written in every_rank for key, crc in written.checksums.items()},
+        {file: size for written in every_rank for file, size in written.sizes.items()},
+    )
 
 
 def load_sharded(

@@ -45,6 +45,18 @@ Otherwise it is left, silently, for a later save (on a network file system, the 
 after its writer stopped). Where the file system has no ``flock`` at all, saves write without the lock
 and only the 10 minutes decide. A ``.NAME.del-*`` is deleted whatever holds it:
 it is a checkpoint being deleted already, and two deletions of one tree only race to the same end.
+
+[Note: complete commits]
+Between a save's writes and its commit, anything may delete what it wrote: a user's ``rm -rf`` of the
+checkpoint folder, another job's clean-up. A later write that recreated the missing directory (a
+``makedirs``) would then commit a checkpoint that names pieces that are gone, and the run would report
+success. So no write of the protocol after rank 0 made the directory the ranks write into creates a
+directory (``atomic_torch_save(make_parents=False)`` for ``meta.pt``; DCP's writer makes its folder before
+it writes a byte, so a deletion before then only moves the whole save into a recreated folder), and rank 0
+checks, just before the commit, that every file the commit names is there at the size its writer recorded
+(``check_complete``): otherwise the save fails on every rank, naming what is missing, and commits nothing.
+A deletion in the instant between that check and the commit's rename is not caught, as one just after the
+commit is not: only the kernel could tell, and what someone deletes is gone either way.
 """
 
 from __future__ import annotations
@@ -250,10 +262,12 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_torch_save(obj: Any, path: Path) -> tuple[int, int]:
+def atomic_torch_save(obj: Any, path: Path, make_parents: bool = True) -> tuple[int, int]:
     """``torch.save`` to ``path``, all or nothing; the temporary file is held while it is written (see ``hold``)
-    and removed if anything fails. Returns the new file's ``file_identity``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    and removed if anything fails. Returns the new file's ``file_identity``. ``make_parents=False``: the directory
+    must exist already (a checkpoint's own, which must not be recreated empty: see [Note: complete commits])."""
+    if make_parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(path, new_token())
     lock = hold(tmp)
     try:
@@ -269,6 +283,26 @@ def atomic_torch_save(obj: Any, path: Path) -> tuple[int, int]:
     finally:
         release(lock)
     return written.st_dev, written.st_ino
+
+
+def check_complete(written: dict[Path, int | None]) -> None:
+    """Before a commit: every file or directory a save wrote (``written``, in order, a directory before what it
+    holds) is still there, each file the size it was written with (``None``: any); the first that is not raises
+    ``FileNotFoundError`` or ``OSError`` naming it (see [Note: complete commits])."""
+    for path, size in written.items():
+        try:
+            found = os.lstat(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{str(path)!r} is missing: it was deleted or moved while the checkpoint was being saved (by another "
+                "process, a clean-up job or a user), so the checkpoint would be incomplete"
+            ) from None
+        if size is not None and found.st_size != size:
+            raise OSError(
+                f"{str(path)!r} holds {found.st_size} bytes, but this save wrote {size}: it was changed while the "
+                "checkpoint was being saved (by another process, a clean-up job or a user), so the checkpoint would "
+                "be incomplete"
+            )
 
 
 def commit(new: Path, path: Path) -> None:
