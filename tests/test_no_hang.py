@@ -109,10 +109,14 @@ class SaveOnRank0Only(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
+# Longer than a line: the other ranks are told it whole (it was once cut at 300 characters, mid-sentence).
+FAILURE = "rank 1's training_step divided by zero at batch 3, " + "and went on explaining why, " * 12 + "to its end."
+
+
 class FailsOnRank1(ParityNet):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.global_rank == 1 and batch_idx == 3:
-            raise ZeroDivisionError("rank 1's training_step divided by zero at batch 3")
+            raise ZeroDivisionError(FAILURE)
         return super().training_step(batch, batch_idx)
 
 
@@ -304,7 +308,7 @@ def test_ranks_that_part_ways_inside_a_step_fail_fast_naming_them(case: str, sta
         # Rank 0 either stops waiting when rank 1 reports its failure (PeerFailureError), or sees rank 1's
         # connection close first; either way its error says what happened on rank 1.
         assert outcomes[0]["type"] in (PeerFailureError.__name__, "RuntimeError"), outcomes
-        assert "rank 1 failed with ZeroDivisionError" in outcomes[0]["message"], outcomes
+        assert f"rank 1 failed with ZeroDivisionError: {FAILURE}" in outcomes[0]["message"], outcomes
         return
     if case == "direct on rank 1":
         # Rank 0 finds the deadlock and hosts the store: it stays until rank 1's monitor has read the verdict, so

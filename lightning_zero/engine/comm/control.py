@@ -516,8 +516,7 @@ class ControlChannel:
         if isinstance(error, CollectiveMismatchError):
             state = _State("mismatch", 0, what=str(error))
         else:
-            text = f"{type(error).__name__}: {error}".strip().splitlines()
-            state = _State("lost" if secondary else "failed", 0, what=text[0][:300] if text else type(error).__name__)
+            state = _State("lost" if secondary else "failed", 0, what=_first_line(error))
         try:
             self._publish(state)
             self._acknowledge()
@@ -595,6 +594,17 @@ _COLLECTIVES = frozenset(
     "barrier broadcast broadcast_object_list gather gather_object reduce reduce_scatter reduce_scatter_tensor "
     "reduce_scatter_single scatter scatter_object_list monitored_barrier".split()
 )
+
+
+_WHAT_LIMIT = 2000  # characters of a failure's first line the others are told: every message of this library fits
+
+
+def _first_line(error: BaseException) -> str:
+    """``error``'s type and the first line of its message, as the other ranks are told it (cut, and marked so, only
+    past ``_WHAT_LIMIT``: a store value is bytes of memory on rank 0, not a log line)."""
+    lines = f"{type(error).__name__}: {error}".strip().splitlines()
+    line = lines[0] if lines else type(error).__name__
+    return line if len(line) <= _WHAT_LIMIT else f"{line[:_WHAT_LIMIT]} [...]"
 
 
 def _direct_collective(frame: Any) -> tuple[tuple[int, int], str] | None:
