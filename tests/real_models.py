@@ -144,3 +144,46 @@ class RealModelNet(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(dataset(self.name, 6 * self.batch_size), batch_size=self.batch_size)  # 3 steps on 2 ranks
+
+
+def save_pretrained(model: Any, folder: Any, safe_serialization: bool = True, max_shard_size: str = "5GB") -> None:
+    """``model.save_pretrained(folder, ...)`` as transformers 4 writes it, with every transformers: transformers 5
+    writes safetensors only (it dropped ``safe_serialization``, and loads ``pytorch_model.bin`` still), so the
+    ``.bin`` layouts (``pytorch_model.bin``, or ``pytorch_model-0000k-of-0000n.bin`` and their index) are made here
+    from what it wrote, the same tensors under the same names, split at ``max_shard_size`` as it splits them."""
+    import json
+    from pathlib import Path
+
+    import transformers
+    from safetensors.torch import load_file
+
+    if safe_serialization or int(transformers.__version__.split(".")[0]) < 5:
+        model.save_pretrained(folder, safe_serialization=safe_serialization, max_shard_size=max_shard_size)
+        return
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("model*.safetensors")):
+        tensors.update(load_file(file))
+        file.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    limit = float(max_shard_size.upper().replace("GB", "e9").replace("MB", "e6").replace("KB", "e3").rstrip("B"))
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        if shards[-1] and size + tensor.nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += tensor.nbytes
+    if len(shards) == 1:
+        torch.save(shards[0], folder / "pytorch_model.bin")
+        return
+    weight_map = {}
+    for number, shard in enumerate(shards, 1):
+        name = f"pytorch_model-{number:05d}-of-{len(shards):05d}.bin"
+        torch.save(shard, folder / name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index, indent=2))

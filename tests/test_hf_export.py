@@ -1,11 +1,15 @@
 """A fine-tuned sharded model written as a Hugging Face checkpoint by every rank at once
 (``strategy.save_pretrained(module, path)``, see [Note: writing a Hugging Face checkpoint] in
 ``lightning_zero/engine/checkpoint/hf_export.py``), read back by plain ``from_pretrained`` in a fresh process: the
-weights and the logits are bitwise the trained ones, under the Trainer and under Fabric."""
+weights and the logits are bitwise the trained ones, under the Trainer and under Fabric, also into folders that
+held another checkpoint (whose weights it replaces, keeping the other files), and the files put in place so that a
+crash at any step leaves the earlier or the new checkpoint (see [Note: replacing a Hugging Face checkpoint] in
+``lightning_zero/engine/io/weight_folder.py``)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +21,22 @@ from torch.utils.data import DataLoader
 
 import lightning_zero
 from lightning_zero import ZeRO3Strategy
+from lightning_zero.engine.checkpoint.hf_export import replace_checkpoint
+from lightning_zero.engine.checkpoint.saving import Ranks
+from lightning_zero.engine.errors import CheckpointSaveError, CollectiveMismatchError
+from lightning_zero.engine.io.weight_folder import is_weight_file, replacement_steps
 from tests.distributed import spawn
 from tests.models import quiet_trainer
-from tests.real_models import build, dataset, logits
+from tests.real_models import build, dataset, logits, save_pretrained
 
 transformers = pytest.importorskip("transformers")
+# The output folders that already hold another model's checkpoint (its layouts, as save_pretrained's arguments).
+HELD_ANOTHER = {
+    "llama-zero3": ("llama", [{}]),
+    "gpt2-zero2": ("gpt2", [{"safe_serialization": False}, {"max_shard_size": "60KB"}]),
+    "llama-fabric": ("llama", [{"max_shard_size": "80KB"}]),  # two shards, of the names the new ones take
+    "llama-after-fit": ("llama", [{"max_shard_size": "80KB"}]),
+}
 PROMPT = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
 
 
@@ -61,8 +76,13 @@ def _export(rank: int, world_size: int, paths: dict[str, str], root: str) -> dic
             ckpt = f"{root}/{name}-{strategy}-sharded.ckpt" if strategy == "zero3" else None
             module = Export(name, path, f"{root}/{name}-{strategy}", ckpt=ckpt)
             chosen = ZeRO3Strategy(checkpoint_format="sharded") if strategy == "zero3" else strategy
-            quiet_trainer(strategy=chosen, devices=world_size, max_steps=3).fit(module)
+            trainer = quiet_trainer(strategy=chosen, devices=world_size, max_steps=3)
+            trainer.fit(module)
             trained[f"{name}-{strategy}"] = module.trained
+            if (
+                name == "llama" and strategy == "zero3"
+            ):  # the model is plain again: transformers' own save, put in place
+                trainer.strategy.save_pretrained(module.model, f"{root}/llama-after-fit")
     fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy="zero3")
     fabric.launch()
     with fabric.init_module():
@@ -72,6 +92,17 @@ def _export(rank: int, world_size: int, paths: dict[str, str], root: str) -> dic
     trained["llama-fabric"] = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         trained["llama-fabric"]["<logits>"] = model(PROMPT).logits
+    # On rank 0 only (under stage 2 no gather would stop it): refused on both ranks before anything is written.
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy="zero2")
+    fabric.launch()
+    with fabric.init_module():
+        model = lightning_zero.from_pretrained(transformers.AutoModelForCausalLM, paths["llama"])
+    model = fabric.setup(model)
+    with pytest.raises(CollectiveMismatchError, match=r"call it on every rank, not under `if trainer\.is_global_zero`"):
+        if rank == 0:
+            fabric.strategy.save_pretrained(model, f"{root}/llama-rank0")
+        else:
+            fabric.barrier()
     return trained
 
 
@@ -81,6 +112,15 @@ def test_export_as_a_hugging_face_checkpoint_from_every_rank(tmp_path: Path) -> 
         torch.manual_seed(3)
         build(name, layers=3).save_pretrained(tmp_path / name)
         paths[name] = str(tmp_path / name)
+    # Folders that already hold another model's checkpoint, which from_pretrained would read instead of shards and
+    # an index written beside it: one model.safetensors; pytorch_model.bin and three shards; two shards of the
+    # names the new ones take. Each has a README that must survive.
+    for key, (name, layouts) in HELD_ANOTHER.items():
+        torch.manual_seed(4)
+        other = build(name, layers=3)
+        for layout in layouts:
+            save_pretrained(other, tmp_path / key, **layout)
+        (tmp_path / key / "README.md").write_text("# my model\n")
     results = spawn(_export, world_size=2, timeout=600, paths=paths, root=str(tmp_path))
     for name in paths:  # offline, on this process: a sharded training checkpoint into a Hugging Face one
         trained = {k: v for k, v in results[0][f"{name}-zero3"].items() if k != "<logits>"}
@@ -89,6 +129,12 @@ def test_export_as_a_hugging_face_checkpoint_from_every_rank(tmp_path: Path) -> 
         )
         state = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
         assert set(state) == set(trained) and all(torch.equal(state[k], v) for k, v in trained.items()), name
+    # After fit, rank 0's model.save_pretrained writes one model.safetensors: the earlier shards and index are gone.
+    out, trained = tmp_path / "llama-after-fit", results[0]["llama-zero3"]
+    state = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(state[k], v) for k, v in trained.items() if k != "<logits>")
+    assert {f.name for f in out.iterdir() if is_weight_file(f.name)} == {"model.safetensors"}
+    assert (out / "README.md").read_text() == "# my model\n"
     for key, trained in results[0].items():
         expected_logits = trained.pop("<logits>")
         out = tmp_path / key
@@ -104,3 +150,94 @@ def test_export_as_a_hugging_face_checkpoint_from_every_rank(tmp_path: Path) -> 
         assert all(torch.equal(state[k], v) for k, v in trained.items()), key
         with torch.no_grad():
             assert torch.equal(reloaded(PROMPT).logits, expected_logits), key
+        # The earlier checkpoint's weight files are gone (none left for any loader), its other files kept.
+        assert {f.name for f in out.iterdir() if is_weight_file(f.name)} == {*files, "model.safetensors.index.json"}
+        assert not any(f.name.startswith(".") for f in out.iterdir()), key  # nor anything of the save's staging
+        if key in HELD_ANOTHER:
+            assert (out / "README.md").read_text() == "# my model\n", key
+    assert not (tmp_path / "llama-rank0").exists()  # the rank-0-only call wrote nothing
+
+
+def _state(folder: Path, **kwargs: Any) -> dict[str, torch.Tensor] | None:
+    """What plain ``from_pretrained(folder)`` loads, or ``None`` where it refuses the folder."""
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, **kwargs).state_dict()
+    except OSError:
+        return None
+
+
+def _same(state: dict[str, torch.Tensor] | None, model: nn.Module) -> bool:
+    return state is not None and all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("earlier", ["model.safetensors", "shards of the same names", "three shards", "bin"])
+def test_a_crash_at_any_step_of_a_replacement_leaves_the_earlier_or_the_new_checkpoint(
+    tmp_path: Path, earlier: str
+) -> None:
+    torch.manual_seed(0)
+    old = build("llama", layers=1)
+    torch.manual_seed(1)
+    new = build("llama", layers=1)
+    layout = {  # of the model's 54 KB
+        "model.safetensors": {},
+        "shards of the same names": {"max_shard_size": "32KB"},
+        "three shards": {"max_shard_size": "21KB"},
+        "bin": {"safe_serialization": False},
+    }[earlier]
+    save_pretrained(new, tmp_path / "new", max_shard_size="32KB")  # two shards and an index, as 2 ranks write them
+    step, count = 0, None
+    while count is None or step <= count:  # a crash after `step` steps, on a fresh copy each time
+        folder = tmp_path / f"after-{step}"
+        save_pretrained(old, folder, **layout)
+        (folder / "README.md").write_text("kept")
+        staging = folder / ".save_pretrained.tmp-0"
+        shutil.copytree(tmp_path / "new", staging)
+        staged = {f.name: f for f in staging.iterdir()}
+        steps = replacement_steps(folder, staged)
+        count = len(steps)
+        for done in steps[:step]:
+            done.apply()
+        state = _state(folder)
+        window = earlier == "shards of the same names" and state is None  # between the two indexes: refused
+        assert _same(state, old) or _same(state, new) or window, (earlier, step)
+        if step == count:
+            assert _same(state, new) and (folder / "README.md").read_text() == "kept", earlier
+            weights = {f.name for f in folder.iterdir() if is_weight_file(f.name)}
+            assert weights == set(staged) - {"config.json", "generation_config.json"}, earlier
+            assert _state(folder, use_safetensors=False) is None, earlier  # no .bin left to read the old weights
+        else:
+            assert _state(folder, use_safetensors=False) is None or _same(_state(folder, use_safetensors=False), old)
+        step += 1
+
+
+def test_a_failed_save_pretrained_leaves_the_folder_as_it_was(tmp_path: Path) -> None:
+    alone = Ranks(0, 1, lambda obj: obj)
+    torch.manual_seed(0)
+    build("llama", layers=1).save_pretrained(tmp_path / "held")
+    (tmp_path / "held" / "README.md").write_text("kept")
+    before = {f.name: f.read_bytes() for f in (tmp_path / "held").iterdir()}
+
+    def full_disk(staging: Path) -> list[str]:
+        (staging / "model-00001-of-00001.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    for folder in (tmp_path / "held", tmp_path / "new" / "folder"):
+        with pytest.raises(CheckpointSaveError, match=r"failed on rank\(s\) \[0\] \(rank 0: OSError: \[Errno 28\] No"):
+            replace_checkpoint(alone, folder, full_disk)
+    assert {f.name: f.read_bytes() for f in (tmp_path / "held").iterdir()} == before  # nothing new, nothing lost
+    assert not (tmp_path / "new" / "folder").exists()  # the folder the save made is removed with it
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointSaveError, match=r"'.*file' is a file: save_pretrained writes a folder"):
+        replace_checkpoint(alone, tmp_path / "file", full_disk)
+    # A failure while the files are put in place names what from_pretrained reads then.
+    (tmp_path / "held" / "model.safetensors.index.json").mkdir()
+
+    def index(staging: Path) -> list[str]:
+        (staging / "model.safetensors.index.json").write_text("{}")
+        return ["model.safetensors.index.json"]
+
+    with pytest.raises(
+        CheckpointSaveError, match=r"from_pretrained now reads 'model\.safetensors' \(of the checkpoint"
+    ):
+        replace_checkpoint(alone, tmp_path / "held", index)
+    assert not any(f.name.startswith(".") for f in (tmp_path / "held").iterdir())

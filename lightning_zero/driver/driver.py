@@ -45,9 +45,10 @@ from lightning_zero.driver import agreement
 from lightning_zero.driver.config import ZeROConfig, bucket_numel
 from lightning_zero.driver.failures import RAISED_ON_EVERY_RANK, explain_peer_failure, peer_went_away
 from lightning_zero.engine.checkpoint.background import BackgroundSaves, stage_on_host
-from lightning_zero.engine.checkpoint.hf_export import write_hf_checkpoint
+from lightning_zero.engine.checkpoint.hf_export import save_with_transformers, write_hf_checkpoint
 from lightning_zero.engine.checkpoint.saving import Ranks, save_full, save_sharded_directory
 from lightning_zero.engine.checkpoint.sharded import checkpoint_meta, plain_module_checkpoint
+from lightning_zero.engine.comm.advice import EXPORT_CALL
 from lightning_zero.engine.comm.comm import Comm
 from lightning_zero.engine.comm.control import ControlChannel, PeerFailureError, abort_if_broken
 from lightning_zero.engine.comm.process_exit import destroy_at_exit, mark_failed
@@ -314,14 +315,18 @@ class ZeRODriver:
         if path is None or self.saves.writing(path):
             self.saves.wait()
 
-    def save_pretrained(self, root: Module, module: Module, path: str | Path, barrier: Callable[[], None]) -> None:
-        """``module`` (part of ``root``) as a Hugging Face checkpoint directory, every rank writing its share (see
-        [Note: writing a Hugging Face checkpoint] in ``engine/checkpoint/hf_export.py``); rank 0 calls
-        ``module.save_pretrained`` when the model is not sharded."""
+    def save_pretrained(self, root: Module, module: Module, path: str | Path) -> None:
+        """``module`` (part of ``root``) as a Hugging Face checkpoint folder in place of the one ``path`` holds, every
+        rank writing its share (see [Note: writing a Hugging Face checkpoint] and [Note: save_pretrained into a
+        folder] in ``engine/checkpoint/hf_export.py``); rank 0 calls ``module.save_pretrained`` when the model is
+        not sharded. Every rank agrees first that it is here, before anything is gathered or written: called on
+        one rank only, it raises ``CollectiveMismatchError`` and leaves nothing behind."""
         ranks = self.ranks()
+        if self.sharded is not None:
+            describe = f"{EXPORT_CALL}{str(path)!r})"  # the advice (engine/comm/advice.py) names the fix from it
+            self.sharded.comm.agree_event("save_pretrained", lambda: describe)
+        target = Path(ranks.broadcast(str(path)))
         if self.sharded is None:
-            if ranks.is_zero:
-                module.save_pretrained(path)
+            save_with_transformers(module, target, ranks)
         else:
-            write_hf_checkpoint(root, self.sharded.units, module, path, ranks.rank, ranks.world_size)
-        barrier()
+            write_hf_checkpoint(root, self.sharded.units, module, target, ranks)

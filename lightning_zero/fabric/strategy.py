@@ -255,7 +255,8 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
 
     def save_pretrained(self, module: Module, path: str | Path) -> None:
         """Write ``module`` (a transformers model, or a part of the model set up) to ``path`` as a Hugging Face
-        checkpoint, every rank writing its own file (see ``ZeROStrategy.save_pretrained``). A collective.
+        checkpoint in place of the one the folder holds, every rank writing its own file (see
+        ``ZeROStrategy.save_pretrained``). A collective.
 
         Example::
 
@@ -264,7 +265,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         module = getattr(module, "_original_module", module)  # a module returned by fabric.setup
         root = self.driver.sharded.module if self.driver.sharded is not None else module
         with self._reporting_failures():
-            self.driver.save_pretrained(root, module, path, lambda: self.barrier("save_pretrained"))
+            self.driver.save_pretrained(root, module, path)
 
     @override
     def teardown(self) -> None:

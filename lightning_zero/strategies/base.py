@@ -535,12 +535,14 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         return self.driver.sharded.full_state_dict()
 
     def save_pretrained(self, module: Module, path: str | Path) -> None:
-        """Write ``module`` (the transformers model the ``LightningModule`` holds, or any part of it) to the directory
+        """Write ``module`` (the transformers model the ``LightningModule`` holds, or any part of it) to the folder
         ``path`` as a Hugging Face checkpoint that plain ``from_pretrained`` loads: sharded safetensors with their
         index and the model's ``config.json``, each rank writing the tensors dealt to it, never the whole model on
-        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/checkpoint/hf_export.py``). A
-        collective: call it on every rank. When the module is not sharded (after ``fit``), rank 0 calls
-        ``module.save_pretrained(path)``.
+        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/checkpoint/hf_export.py``). The files
+        replace the weights the folder held, if any: a crash or a failure leaves it read as before or as the new
+        checkpoint, and files that are not weights (a README, a tokenizer) are kept (see [Note: save_pretrained
+        into a folder]). A collective: call it on every rank. When the module is not sharded (after ``fit``),
+        rank 0's ``module.save_pretrained`` writes the files, put in place the same way.
 
         Example::
 
@@ -548,7 +550,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
                 self.trainer.strategy.save_pretrained(self.model, "finetuned")
         """
         assert self.model is not None
-        self.driver.save_pretrained(self.model, module, path, lambda: self.barrier("save_pretrained"))
+        self.driver.save_pretrained(self.model, module, path)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""A sharded model written as a Hugging Face checkpoint by every rank at once, never whole on any rank.
+"""A sharded model written as a Hugging Face checkpoint by every rank at once, never whole on any rank, in place
+of the checkpoint the folder held.
 
 [Note: writing a Hugging Face checkpoint]
 ``from_pretrained`` reads sharded safetensors: files that each hold whole tensors, listed by
@@ -11,30 +12,60 @@ model's ``config.json`` and ``generation_config.json``, and the persistent buffe
 another (``lm_head.weight`` to the input embeddings) is stored once, under the name that is not in
 the model's ``_tied_weights_keys``, as ``save_pretrained`` does, so that ``from_pretrained`` ties it
 back. Every rank must call it (the gathers are collectives).
+
+[Note: save_pretrained into a folder]
+The files are written where no loader looks, then put in place of what the folder held, by one rank, after
+every rank has written (``replace_checkpoint``): rank 0 creates the folder and a hidden staging folder in it
+(``.save_pretrained.tmp-<token>``, held as the save protocol holds its temporary files: see [Note: crash-safe
+saves] in ``engine/io/files.py``) before any rank writes, and nothing else; every rank writes its files into
+the staging folder and ``fsync``s them; the ranks learn whether every rank succeeded (one gather). If one
+failed, every rank raises the same ``CheckpointSaveError`` and rank 0 deletes the staging folder (and the
+folder, if it made it and it is empty): the folder is as it was. Otherwise rank 0 checks that every file is
+there at the size its writer wrote, then renames the files into the folder and removes the weight files of
+the earlier checkpoint that the new one does not replace, in the order of [Note: replacing a Hugging Face
+checkpoint] in ``engine/io/weight_folder.py``, so that a crash at any point leaves the folder read as the
+earlier checkpoint or the new one; what rank 0 saw is broadcast, and a failure there is raised on every
+rank, naming what ``from_pretrained`` reads at that point. Files that are not weights of those layouts (a
+README, a tokenizer) are never touched.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from lightning_zero.engine.checkpoint.saving import Ranks, gather_from_every_rank
 from lightning_zero.engine.core.unit import ShardedUnit
+from lightning_zero.engine.errors import CheckpointSaveError
+from lightning_zero.engine.io.files import (
+    TMP,
+    check_complete,
+    claimed,
+    hidden_sibling,
+    hold,
+    new_token,
+    release,
+    remove,
+)
+from lightning_zero.engine.io.weight_folder import SAFETENSORS_INDEX, Step, read_by_loader, replacement_steps
 
-INDEX_NAME = "model.safetensors.index.json"
+STAGING = "save_pretrained"  # the staging folder is ``.save_pretrained.tmp-<token>`` inside the target
 
 
 def write_hf_checkpoint(
-    root: nn.Module, units: list[ShardedUnit], module: nn.Module, path: str | Path, rank: int, world_size: int
-) -> list[Path]:
+    root: nn.Module, units: list[ShardedUnit], module: nn.Module, path: str | Path, ranks: Ranks
+) -> None:
     """Write ``module`` (``root`` or a submodule of it, e.g. the transformers model a ``LightningModule`` holds) to
-    the directory ``path`` (see the note above); returns the files this rank wrote. A collective."""
+    the folder ``path``, in place of the checkpoint it holds (see the notes above). A collective."""
     from safetensors.torch import save_file
 
-    path = Path(path)
     _check_part_of(root, module)
+    rank, world_size = ranks.rank, ranks.world_size
     tied = set(getattr(module, "_tied_weights_keys", None) or [])
     names: dict[int, str] = {}  # id(param) -> the name it is stored under
     for name, param in module.named_parameters(remove_duplicate=False):
@@ -61,24 +92,158 @@ def write_hf_checkpoint(
     }
     if rank == 0:
         mine.update(buffers)
-    path.mkdir(parents=True, exist_ok=True)
-    target = path / files[rank]
-    save_file(mine, str(target), metadata={"format": "pt"})
-    written = [target]
-    if rank == 0:
+
+    def write(staging: Path) -> list[str]:
+        save_file(mine, str(staging / files[rank]), metadata={"format": "pt"})
+        if rank != 0:
+            return [files[rank]]
         weight_map = {name: files[r] for name, r in owner.items()}
         weight_map.update({name: files[0] for name in buffers})
         total = sum(size for _, size in entries) + sum(b.numel() * b.element_size() for b in buffers.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        written.append(path / INDEX_NAME)
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(path)
-        generation = getattr(module, "generation_config", None)
-        if generation is not None and hasattr(generation, "save_pretrained"):
-            generation.save_pretrained(path)
-    return written
+        (staging / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for config in (getattr(module, "config", None), getattr(module, "generation_config", None)):
+            if config is not None and hasattr(config, "save_pretrained"):
+                config.save_pretrained(staging)
+        others = set(files[1:])  # written by the other ranks, perhaps still being written
+        return sorted(child.name for child in staging.iterdir() if child.name not in others)
+
+    replace_checkpoint(ranks, Path(path), write)
+
+
+def save_with_transformers(module: nn.Module, path: str | Path, ranks: Ranks) -> None:
+    """Rank 0's ``module.save_pretrained`` (transformers' own, for a module that is not sharded) written into the
+    staging folder, then put in place of the checkpoint in ``path`` as the sharded save is (see [Note:
+    save_pretrained into a folder]). A collective."""
+
+    def write(staging: Path) -> list[str]:
+        if not ranks.is_zero:
+            return []
+        module.save_pretrained(staging)
+        return sorted(child.name for child in staging.iterdir() if child.is_file())
+
+    replace_checkpoint(ranks, Path(path), write)
+
+
+def replace_checkpoint(ranks: Ranks, path: Path, write: Callable[[Path], list[str]]) -> None:
+    """Every rank's ``write(staging)`` (which returns the names of the files it wrote into the folder ``staging``)
+    put in place of the Hugging Face checkpoint in the folder ``path`` (see [Note: save_pretrained into a
+    folder]). A collective; every rank raises the same ``CheckpointSaveError`` if it fails anywhere.
+
+    Usage::
+
+        def write(staging: Path) -> list[str]:
+            save_file(tensors, str(staging / "model.safetensors"))
+            return ["model.safetensors"]
+
+        replace_checkpoint(ranks, Path("finetuned"), write)
+    """
+    lock: int | None = None
+    made, failure = False, None
+    token = new_token()
+    if ranks.is_zero:
+        lock, made, failure = _make_staging(path, hidden_sibling(path / STAGING, TMP, token))
+    token, failure = ranks.broadcast((token, failure))
+    staging = hidden_sibling(path / STAGING, TMP, token)
+    try:
+        if failure is not None:
+            raise CheckpointSaveError(_write_failed(path, {0: failure}))
+        written: dict[str, int] = {}
+        error = None
+        try:
+            for name in write(staging):
+                written[name] = _fsync(staging / name)
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+        reports = gather_from_every_rank(ranks, (written, error))
+        failed = {r: message for r, (_, message) in enumerate(reports) if message is not None}
+        if failed:
+            raise CheckpointSaveError(_write_failed(path, failed))
+        outcome = None
+        if ranks.is_zero:
+            sizes = {name: size for files, _ in reports for name, size in files.items()}
+            outcome = _commit(path, staging, sizes)
+        outcome = ranks.broadcast(outcome)
+        if outcome is not None:
+            raise CheckpointSaveError(outcome)
+    except BaseException:
+        if ranks.is_zero:
+            remove(staging)  # what is not in place yet
+            if made:
+                _remove_if_empty(path)
+        raise
+    finally:
+        release(lock)
+
+
+def _make_staging(path: Path, staging: Path) -> tuple[int | None, bool, str | None]:
+    """Rank 0 creates ``path`` (if needed) and holds the empty ``staging`` folder in it: the lock, whether it made
+    ``path``, and what failed (before anything is written)."""
+    if path.exists() and not path.is_dir():
+        return None, False, f"{str(path)!r} is a file: save_pretrained writes a folder; pass the path of a folder"
+    made = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return hold(staging, directory=True), made, None
+    except OSError as err:
+        if made:
+            _remove_if_empty(path)
+        return None, False, f"{type(err).__name__}: {err}"
+
+
+def _fsync(file: Path) -> int:
+    """Make ``file`` durable; returns its size."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _commit(path: Path, staging: Path, sizes: dict[str, int]) -> str | None:
+    """Rank 0 puts the staged files in place (see [Note: replacing a Hugging Face checkpoint]); what failed."""
+    new = {name: staging / name for name in sizes}
+    steps: list[Step] = []
+    done = 0
+    try:
+        check_complete({path: None, staging: None, **{new[name]: size for name, size in sizes.items()}})
+        steps = replacement_steps(path, new)
+        for step in steps:
+            step.apply()
+            done += 1
+    except Exception as err:  # reported on every rank, never raised on rank 0 alone (the others would wait)
+        renamed = {step.target.name for step in steps[:done] if step.source is not None}
+        read = read_by_loader(path)
+        if read is None:
+            now = "finds no weights in it: save again"
+        else:
+            now = f"reads {read!r} " + ("(this save's)" if read in renamed else "(of the checkpoint that was there)")
+        return (
+            f"save_pretrained({str(path)!r}) failed on rank 0 while putting the new files in place "
+            f"({type(err).__name__}: {err}); the files not yet in place were removed, and from_pretrained now {now}"
+        )
+    remove(staging)
+    for leftover in path.glob(f".{STAGING}{TMP}*"):  # of saves killed before their commit
+        with claimed(leftover) as over:
+            if over:
+                remove(leftover)
+    return None
+
+
+def _write_failed(path: Path, failed: dict[int, str]) -> str:
+    lines = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failed.items()))
+    return (
+        f"save_pretrained({str(path)!r}) failed on rank(s) {sorted(failed)} ({lines}). Nothing in the folder was "
+        "changed: what this save had written was removed."
+    )
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # not empty, or gone
+        pass
 
 
 def _check_part_of(root: nn.Module, module: nn.Module) -> None:

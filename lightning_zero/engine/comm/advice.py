@@ -25,6 +25,7 @@ _HOOKS = {
 # What the gathers of ``state_dict()`` and of a parameter read are named (``ShardedUnit.full_flat``, ``read_values``).
 STATE_DICT_GATHER = "(state_dict())"
 EXPORT_GATHER = "(save_pretrained())"
+EXPORT_CALL = "strategy.save_pretrained(module, "  # what a rank in the driver's agreement before an export says
 PARAMETER_READ = "outside its forward)"
 
 
@@ -35,7 +36,7 @@ def explain_texts(texts: list[str], stage: int | None = None) -> str:
     uneven = _uneven_evaluation(texts)
     if uneven is not None:
         advice.append(_uneven_advice(uneven, stage, any(SERVING in t for t in texts)))
-    elif any(EXPORT_GATHER in t for t in texts):
+    elif any(EXPORT_GATHER in t or t.startswith(EXPORT_CALL) for t in texts):
         advice.append(
             "strategy.save_pretrained(module, path) is a collective under lightning_zero (every rank gathers the "
             "units and writes its own file): call it on every rank, not under `if trainer.is_global_zero`."
