@@ -1,9 +1,12 @@
 """Command line: ``python -m lightning_zero consolidate CHECKPOINT OUT``, ``... check-parity MODULE:ATTR``,
-``... estimate --params 7B`` and ``... dry-run FILE.py:CLASS --world-size 512``.
+``... estimate --params 7B`` (or ``... estimate FILE.py:CLASS``) and ``... dry-run FILE.py:CLASS --world-size 512``.
+A bad number is one line naming its flag and what it allows, with exit status 2, as argparse reports its own
+errors (the library functions raise ``ArgumentValueError`` naming the argument, turned into the flag here).
 
 Example::
 
     python -m lightning_zero estimate --params 7B --devices 8,64 --precision bf16-mixed --memory 80GB
+    python -m lightning_zero estimate examples/dry_run_gpt.py:GPT1B --devices 8 --unit-modules Block
     python -m lightning_zero dry-run examples/dry_run_gpt.py:GPT1B --world-size 512 --batch-shape 1,128
     python -m lightning_zero consolidate runs/epoch=3-step=400.ckpt model.ckpt
     python -m lightning_zero consolidate runs/epoch=3-step=400.ckpt model.safetensors
@@ -25,9 +28,10 @@ import os
 import pickle
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning_zero.driver.checkpointing import consolidate
+from lightning_zero.estimate import ArgumentValueError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -74,13 +78,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             choices=("int8",),
             help=f"the ZeRO run with quantize_{what}=int8: the report is then its drift from the exact run",
         )
-    _add_estimate_parser(commands)
-    _add_dry_run_parser(commands)
+    estimate = _add_estimate_parser(commands)
+    dry = _add_dry_run_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "estimate":
-        return _estimate(parser, args)
+        return _estimate(estimate, args)
     if args.command == "dry-run":
-        return _dry_run(parser, args)
+        return _dry_run(dry, args)
     if args.command == "check-parity":
         return _check_parity(parser, args)
     return _consolidate(args)
@@ -107,10 +111,51 @@ def _consolidate(args: argparse.Namespace) -> int:
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _refuse(parser: argparse.ArgumentParser, error: ValueError, flags: dict[str, str]) -> NoReturn:
+    """Exit with status 2 and one line (argparse's ``error``), naming the flag of the argument ``error`` names."""
+    if isinstance(error, ArgumentValueError) and error.argument in flags:
+        parser.error(f"argument {flags[error.argument]}: {' '.join(error.requirement.split())}")
+    parser.error(" ".join(str(error).split()))
+
+
+# The flags of the arguments of estimate_memory and dry_run, for their errors (see ``ArgumentValueError``).
+_ESTIMATE_FLAGS = {
+    "model_or_numel": "--params",
+    "devices": "--devices",
+    "nodes": "--nodes",
+    "precision": "--precision",
+    "optimizer_state_bytes": "--optimizer-state-bytes",
+    "reduce_dtype_bytes": "--reduce-dtype-bytes",
+    "param_dtype_bytes": "--param-dtype-bytes",
+    "bandwidth_gbps": "--bandwidth",
+    "intra_node_gbps": "--intra-node-bandwidth",
+    "inter_node_gbps": "--inter-node-bandwidth",
+    "pcie_gbps": "--pcie-bandwidth",
+    "memory_per_device": "--memory",
+    "shard_size": "--shard-size",
+    "prefetch": "--prefetch",
+    "largest_unit_params": "--largest-unit",
+    "accumulate_grad_batches": "--accumulate-grad-batches",
+    "unit_modules": "--unit-modules",
+}
+_DRY_RUN_FLAGS = {
+    "world_size": "--world-size",
+    "stage": "--strategy",
+    "rank": "--rank",
+    "steps": "--steps",
+    "batch_shape": "--batch-shape",
+    "shard_size": "--shard-size",
+    "precision": "--precision",
+}
 
 
 def _argument(convert: Any) -> Any:
@@ -143,7 +188,7 @@ def _shard_size(text: str) -> int | str:
     return int(text)
 
 
-def _add_estimate_parser(commands: Any) -> None:
+def _add_estimate_parser(commands: Any) -> argparse.ArgumentParser:
     from lightning_zero.estimate import PRECISIONS, parse_bytes, parse_count
 
     estimate = commands.add_parser(
@@ -151,9 +196,20 @@ def _add_estimate_parser(commands: Any) -> None:
         help="predict model-state memory per device and communication per step of DDP and ZeRO stages 1-3",
         description="Print, per device, the bytes of parameters, gradients, master copy and optimizer states "
         "that DDP and each ZeRO stage keep, the bytes each rank sends per optimizer step and how long that "
-        "takes, and (with --memory) the cheapest strategy that fits. Pure arithmetic: nothing is launched.",
+        "takes, and (with --memory) the cheapest strategy that fits. Pure arithmetic: nothing is launched. Give the "
+        "model as a parameter count (--params 7B), or as dry-run takes it (FILE.py:CLASS, built on the meta device: "
+        "its parameters counted and its units laid out exactly, without memory).",
     )
-    estimate.add_argument("--params", required=True, type=_argument(parse_count), help="parameter count: 7B, 350M")
+    estimate.add_argument(
+        "target",
+        nargs="?",
+        metavar="FILE.py:CLASS",
+        help="a LightningModule class built with no arguments (or module:CLASS), instead of --params",
+    )
+    estimate.add_argument("--params", type=_argument(parse_count), help="parameter count: 7B, 350M")
+    estimate.add_argument(
+        "--unit-modules", help="with FILE.py:CLASS: comma-separated module class names that form units (default: found)"
+    )
     estimate.add_argument(
         "--devices",
         type=_argument(_device_counts),
@@ -212,15 +268,30 @@ def _add_estimate_parser(commands: Any) -> None:
         "--quantize-grads", choices=("int8",), help="the reduce-scatters of stages 2 and 3 in int8 (quantize_grads)"
     )
     estimate.add_argument("--json", action="store_true", help="print JSON (a list when several --devices are given)")
+    return estimate
 
 
 def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from lightning_zero.estimate import estimate_memory
 
+    if args.target is not None and args.params is not None:
+        parser.error("give the model either as --params or as FILE.py:CLASS, not both")
+    if args.target is None and args.params is None:
+        parser.error("the model is required: --params (a parameter count, e.g. 7B) or FILE.py:CLASS")
+    model: Any = args.params
+    if args.target is not None:
+        from lightning_zero.dry_run import build_on_meta
+
+        try:
+            model = build_on_meta(args.target)
+        except ValueError as error:  # not a file, no such class
+            parser.error(f"argument FILE.py:CLASS: {error}")
+    units = [name.strip() for name in args.unit_modules.split(",")] if args.unit_modules else None
     try:
         estimates = [
             estimate_memory(
-                args.params,
+                model,
+                unit_modules=units,
                 devices=devices,
                 nodes=args.nodes,
                 precision=args.precision,
@@ -244,7 +315,7 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             for devices in args.devices
         ]
     except ValueError as error:
-        parser.error(str(error))
+        _refuse(parser, error, _ESTIMATE_FLAGS)
     if args.json:
         data = [e.as_dict() for e in estimates]
         print(json.dumps(data[0] if len(data) == 1 else data, indent=2))
@@ -253,7 +324,7 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_dry_run_parser(commands: Any) -> None:
+def _add_dry_run_parser(commands: Any) -> argparse.ArgumentParser:
     dry = commands.add_parser(
         "dry-run",
         help="run one rank of an N-rank ZeRO job in this process and report its memory and communication",
@@ -266,7 +337,11 @@ def _add_dry_run_parser(commands: Any) -> None:
     dry.add_argument("--strategy", choices=("zero1", "zero2", "zero3"), default="zero3", help="default: zero3")
     dry.add_argument("--world-size", type=_positive_int, required=True, help="ranks of the job")
     dry.add_argument("--rank", type=int, default=0, help="the rank this process plays (default: 0)")
-    dry.add_argument("--shard-size", help="hybrid sharding: ranks per shard group, or 'node' (8 per node here)")
+    dry.add_argument(
+        "--shard-size",
+        type=_argument(_shard_size),
+        help="hybrid sharding: ranks per shard group, or 'node' (8 per node here)",
+    )
     dry.add_argument("--precision", default="32-true", help="32-true (default), bf16-mixed or bf16-true")
     dry.add_argument("--offload-optimizer", action="store_true", help="optimizer states in CPU memory")
     dry.add_argument("--offload-params", action="store_true", help="stage 3: parameter shards in CPU memory too")
@@ -284,18 +359,18 @@ def _add_dry_run_parser(commands: Any) -> None:
         help="e.g. 1,128: (x, y) int64 token ids of that shape (default: the module's train_dataloader)",
     )
     dry.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")
+    return dry
 
 
 def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
+
     from lightning_zero.dry_run import dry_run, write_json
 
-    shard_size: int | str | None = args.shard_size
-    if shard_size is not None and shard_size != "node":
-        shard_size = _positive_int(shard_size)
     try:
         shape = tuple(int(n) for n in args.batch_shape.split(",")) if args.batch_shape else None
     except ValueError:
-        parser.error(f"--batch-shape must be comma-separated integers, e.g. 1,128; got {args.batch_shape!r}")
+        parser.error(f"argument --batch-shape: expected comma-separated integers, e.g. 1,128; got {args.batch_shape!r}")
     units = [name.strip() for name in args.unit_modules.split(",")] if args.unit_modules else None
     recomputed = args.activation_checkpointing
     recomputed = [name.strip() for name in recomputed.split(",")] if recomputed else None
@@ -305,7 +380,7 @@ def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             world_size=args.world_size,
             stage=int(args.strategy[-1]),
             rank=args.rank,
-            shard_size=shard_size,
+            shard_size=args.shard_size,
             precision=args.precision,
             offload_optimizer=args.offload_optimizer,
             offload_params=args.offload_params,
@@ -316,8 +391,22 @@ def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             quantize_weights=args.quantize_weights,
             quantize_grads=args.quantize_grads,
         )
+    except ArgumentValueError as error:
+        _refuse(parser, error, _DRY_RUN_FLAGS)
     except (ValueError, TypeError) as error:
-        print(f"dry-run: {error}", file=sys.stderr)
+        print(f"dry-run: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    except (MemoryError, torch.OutOfMemoryError, RuntimeError) as error:
+        if not isinstance(error, (MemoryError, torch.OutOfMemoryError)) and "can't allocate memory" not in str(error):
+            raise
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        batch = f"--batch-shape {args.batch_shape}" if args.batch_shape else "the module's batch"
+        print(
+            f"dry-run: rank {args.rank} of {args.world_size} ran out of memory in this process ({first}): it does not "
+            f"fit this machine with {batch} at --world-size {args.world_size} (activations grow with the batch, and "
+            "every unit is padded to a multiple of the world size)",
+            file=sys.stderr,
+        )
         return 2
     print(report.table())
     if args.json:

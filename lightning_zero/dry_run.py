@@ -58,8 +58,15 @@ from lightning_zero.driver.config import ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
 from lightning_zero.engine.core.ledger import GatherLedger
 from lightning_zero.engine.core.memory import theory_bytes
+from lightning_zero.engine.meta.init_trace import record_meta_init
 from lightning_zero.engine.sharded_model import ShardedModel
-from lightning_zero.estimate import WIRE_BYTES_PER_ELEMENT, estimate_memory
+from lightning_zero.estimate import (
+    MAX_WORLD_SIZE,
+    WIRE_BYTES_PER_ELEMENT,
+    ArgumentValueError,
+    estimate_memory,
+    parse_argument,
+)
 from lightning_zero.estimate_report import format_bytes
 
 DRY_RUN_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -240,12 +247,8 @@ def dry_run(
     names) whose forward is recomputed in backward (the strategies' ``activation_checkpointing_policy``).
     ``quantize_weights`` / ``quantize_grads``: the strategies' options (the bytes are those of the int8 rows). Needs a
     process without a process group."""
-    if precision not in DRY_RUN_PRECISIONS:
-        raise ValueError(f"dry_run supports precision in {DRY_RUN_PRECISIONS}, got {precision!r}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    _check_arguments(world_size, stage, rank, steps, batch_shape, precision)
+    group_size = parse_argument("shard_size", lambda size: _resolve(size, world_size), shard_size)
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError("dry_run needs a process without a process group (it joins a fake one of its own)")
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -281,7 +284,7 @@ def dry_run(
             module,
             device=device,
             param_dtype=plugin.default_param_dtype,
-            shard_size=_resolve(shard_size, world_size),
+            shard_size=group_size,
             prepare=plugin.convert_module,
         )
         optimizer = _optimizer(module)
@@ -358,10 +361,51 @@ def _profile(
     return profile, None
 
 
+def _check_arguments(
+    world_size: int, stage: int, rank: int, steps: int, batch_shape: tuple[int, ...] | None, precision: str
+) -> None:
+    """Refuse what ``dry_run`` cannot run, naming the argument (``ArgumentValueError``), before anything starts."""
+    if precision not in DRY_RUN_PRECISIONS:
+        raise ArgumentValueError("precision", f"must be one of {DRY_RUN_PRECISIONS} in a dry run, got {precision!r}")
+    for name, value in (("world_size", world_size), ("steps", steps)):
+        if not _is_int(value) or value < 1:
+            raise ArgumentValueError(name, f"must be an integer >= 1, got {value!r}")
+    if world_size > MAX_WORLD_SIZE:
+        raise ArgumentValueError(
+            "world_size", f"must be at most {MAX_WORLD_SIZE:,} (torch's largest), got {world_size:,}"
+        )
+    if stage not in (1, 2, 3) or not _is_int(stage):
+        raise ArgumentValueError("stage", f"must be 1, 2 or 3, got {stage!r}")
+    if not _is_int(rank) or not 0 <= rank < world_size:
+        raise ArgumentValueError("rank", f"must be in [0, {world_size}) (one of the world_size ranks), got {rank!r}")
+    if batch_shape is not None and (not batch_shape or not all(_is_int(n) and n >= 1 for n in batch_shape)):
+        raise ArgumentValueError("batch_shape", f"must be positive integers, e.g. (1, 128), got {batch_shape!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _resolve(shard_size: int | str | None, world_size: int) -> int:
     from lightning_zero.engine.comm.mesh import resolve_shard_size
 
     return resolve_shard_size(shard_size, world_size, min(world_size, 8))
+
+
+def build_on_meta(target: str | Callable[[], Any], init_kwargs: dict[str, Any] | None = None) -> nn.Module:
+    """The ``LightningModule`` that ``target`` names (as ``dry_run`` takes it), built on the meta device as stage 3
+    builds it (its ``configure_model`` too): every parameter's shape, and no memory, for ``estimate_memory``.
+
+    Example::
+
+        estimate_memory(build_on_meta("examples/dry_run_gpt.py:GPT1B"), devices=8)
+    """
+    factory = _factory(target, init_kwargs or {})
+    with record_meta_init():
+        module = factory()
+        if hasattr(module, "configure_model"):
+            module.configure_model()
+    return module
 
 
 def _factory(target: str | Callable[[], Any], kwargs: dict[str, Any]) -> Callable[[], Any]:

@@ -26,13 +26,13 @@ import math
 import re
 from collections.abc import Callable, Sequence
 from decimal import Decimal, InvalidOperation
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from torch import nn
 
 from lightning_zero.activations import ActivationProfile
 from lightning_zero.engine.comm.mesh import resolve_shard_size
-from lightning_zero.engine.comm.quantized import BLOCK, check_quantization
+from lightning_zero.engine.comm.quantized import BLOCK, check_quantization, mixed_blocks, row_bytes
 from lightning_zero.engine.core.grouping import ROOT_NAME, module_class_policy, plan_units
 from lightning_zero.engine.core.layout import ShardLayout
 from lightning_zero.estimate_report import (
@@ -47,12 +47,38 @@ from lightning_zero.estimate_report import (
     format_seconds,
 )
 
+T = TypeVar("T")
+R = TypeVar("R")
 WIRE_BYTES_PER_ELEMENT = 1 + 4 / BLOCK  # an int8 value and its share of the block's fp32 scale
 PRECISIONS = ("32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed")
 _PRECISION_ALIASES = {"32": "32-true", "16": "16-mixed", "bf16": "bf16-mixed"}  # as Lightning reads them
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _BYTE_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MAX_COUNT = 2**53  # the largest count whose byte arithmetic (floats) stays exact
+MAX_WORLD_SIZE = 2**31 - 1  # torch.distributed's largest world size (a C int)
+ELEMENT_SIZES = (1, 2, 4, 8)  # bytes per element of the dtypes (float8 ... float64)
+
+
+class ArgumentValueError(ValueError):
+    """A value that an argument does not allow: ``argument`` names it as the function's parameter, and
+    ``requirement`` says what is allowed (the message is ``"<argument> <requirement>"`` unless given), so that the
+    command line can say the same of its flag (``argument --bandwidth: must be positive (GB/s), got -1.0``).
+
+    Example::
+
+        raise ArgumentValueError("devices", f"must be an integer >= 1, got {devices!r}")
+    """
+
+    def __init__(self, argument: str, requirement: str, message: str | None = None) -> None:
+        super().__init__(message or f"{argument} {requirement}")
+        self.argument = argument
+        self.requirement = requirement
+
+    @classmethod
+    def wrapping(cls, argument: str, error: ValueError) -> ArgumentValueError:
+        """``error`` (raised for the value of ``argument``) with the argument named; its message unchanged."""
+        return cls(argument, str(error), message=str(error))
 
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -76,6 +102,8 @@ def parse_count(text: str | int) -> int:
             raise ValueError(f"cannot read a parameter count from {text!r}") from error
     if value < 0 or value != value.to_integral_value():
         raise ValueError(f"a parameter count must be a whole number >= 0, got {text!r}")
+    if value > MAX_COUNT:
+        raise ValueError(f"a parameter count must be at most 2**53 (about 9.0e15), got {text!r}")
     return int(value)
 
 
@@ -113,6 +141,22 @@ class _Counts(NamedTuple):
     units: int | None  # how many units (None: unknown, a bare count)
     largest_unit: int | None  # padded numel of the largest unit other than the root (None: unknown)
     root_unit: int = 0  # padded numel of the root unit (0: none, or a bare count)
+    # Per unit: its shard_numel, how many full blocks of its quantized rows go exactly, whether it has a trainable
+    # parameter (see [Note: blocks that span parameters] in engine/comm/quantized.py). None: a bare count.
+    quantized_rows: tuple[tuple[int, int, bool], ...] | None = None
+
+    def quantized_bytes(self, element: int, world_size: int, trainable_only: bool) -> float:
+        """Bytes of one quantized collective of every unit (or of those with a trainable parameter), all its rows:
+        1 + 4/256 per element, and ``element`` bytes per element of the blocks sent exactly."""
+        if self.quantized_rows is None:
+            return (self.trainable_padded if trainable_only else self.padded) * WIRE_BYTES_PER_ELEMENT
+        return float(
+            sum(
+                world_size * row_bytes(numel, element, exact)
+                for numel, exact, trainable in self.quantized_rows
+                if trainable or not trainable_only
+            )
+        )
 
     def gathered_numel(self, prefetch: int) -> float | None:
         """Elements stage 3 holds gathered at once: the root unit, held for the whole step, and ``prefetch + 1``
@@ -143,8 +187,12 @@ def _plan(model: nn.Module, unit_modules: Sequence[type[nn.Module] | str] | None
 def _count_model(units: list[_Planned], world_size: int) -> _Counts:
     per_rank = [0] * world_size  # trainable elements in each rank's shards
     numel = trainable = padded = trainable_padded = shard = grad_shard = largest = root = 0
+    quantized_rows = []
     for numels, trainable_mask, is_root in units:
         layout = ShardLayout.from_shapes([(n,) for n in numels], world_size)
+        starts = (offset for offset, n in zip(layout.offsets, numels) if n)  # as ShardedUnit plans its blocks
+        exact = max(map(len, mixed_blocks(layout.shard_numel, world_size, starts)), default=0)
+        quantized_rows.append((layout.shard_numel, exact, any(trainable_mask)))
         numel += layout.numel
         padded += layout.padded_numel
         shard += layout.shard_numel
@@ -164,7 +212,7 @@ def _count_model(units: list[_Planned], world_size: int) -> _Counts:
             for rank in range(first, last + 1):  # a parameter's pieces, rank by rank
                 per_rank[rank] += min(offset + n, (rank + 1) * size) - max(offset, rank * size)
     counts = (numel, trainable, padded, trainable_padded, shard, grad_shard, max(per_rank), len(units), largest, root)
-    return _Counts(*counts)
+    return _Counts(*counts, quantized_rows=tuple(quantized_rows))
 
 
 # ---------------------------------------------------------------------------------------------- accounting
@@ -278,20 +326,21 @@ def _zero_row(
     # and 2: the updated shards after the step). Across the groups: one all-reduce of each gradient shard.
     gathers = 2 * micro_batches if stage == 3 else 1
     reductions = 1 if local else micro_batches
-    # Quantized rows carry 1 byte per element and a 4-byte scale per block (see [Note: quantized collectives]), inside
-    # the shard group only; the replicas' all-reduce stays exact.
+    # Quantized rows carry 1 byte per element and a 4-byte scale per block, and the blocks across parameters exactly
+    # (see [Note: quantized collectives]), inside the shard group only; the replicas' all-reduce stays exact.
     weights = quantize_weights if stage == 3 else None
     grads = quantize_grads if stage > 1 else None
-    gathered_element = WIRE_BYTES_PER_ELEMENT if weights else c
-    reduced_element = WIRE_BYTES_PER_ELEMENT if grads else d.reduce
-    inside = (
-        (
-            reductions * counts.trainable_padded * reduced_element
-            + gathers * (counts.padded if stage == 3 else counts.trainable_padded) * gathered_element
-        )
-        * (shard_size - 1)
-        / shard_size
+    gathered_bytes = (
+        counts.quantized_bytes(c, shard_size, trainable_only=False)
+        if weights
+        else (counts.padded if stage == 3 else counts.trainable_padded) * c
     )
+    reduced_bytes = (
+        counts.quantized_bytes(d.reduce, shard_size, trainable_only=True)
+        if grads
+        else counts.trainable_padded * d.reduce
+    )
+    inside = (reductions * reduced_bytes + gathers * gathered_bytes) * (shard_size - 1) / shard_size
     replicas = world_size // shard_size
     across = reductions * 2 * counts.grad_shard * d.reduce * (replicas - 1) / replicas
     seconds = links.seconds(shard_size, inside) + links.seconds(replicas, across, stride=shard_size)
@@ -368,6 +417,21 @@ def _recommend(candidates: list[StrategyEstimate], memory: float | None) -> Stra
 
 
 # ---------------------------------------------------------------------------------------------- public API
+def parse_argument(argument: str, parse: Callable[[T], R], value: T) -> R:
+    """``parse(value)``, its ``ValueError`` an ``ArgumentValueError`` naming ``argument`` (the message unchanged).
+
+    Example::
+
+        shard = parse_argument("shard_size", lambda size: resolve_shard_size(size, 16, 8), "node")
+    """
+    try:
+        return parse(value)
+    except ArgumentValueError:
+        raise
+    except ValueError as error:
+        raise ArgumentValueError.wrapping(argument, error) from error
+
+
 def estimate_memory(
     model_or_numel: nn.Module | int | str,
     devices: int = 1,
@@ -444,7 +508,7 @@ def estimate_memory(
     if isinstance(precision, int) or precision in _PRECISION_ALIASES:
         precision = _PRECISION_ALIASES.get(str(precision), str(precision))
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        raise ArgumentValueError("precision", f"must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     for name, value, least in (
         ("devices", devices, 1),
         ("nodes", nodes, 1),
@@ -452,32 +516,42 @@ def estimate_memory(
         ("accumulate_grad_batches", accumulate_grad_batches, 1),
     ):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    if optimizer_state_bytes is not None and not optimizer_state_bytes >= 0:
-        raise ValueError(f"optimizer_state_bytes must be >= 0, got {optimizer_state_bytes!r}")
+            raise ArgumentValueError(name, f"must be an integer >= {least}, got {value!r}")
+    if devices * nodes > MAX_WORLD_SIZE:
+        raise ArgumentValueError(
+            "devices",
+            f"must be at most {MAX_WORLD_SIZE // nodes:,} with {nodes} node(s): devices x nodes is the world size, at "
+            f"most {MAX_WORLD_SIZE:,} (torch's largest), got {devices:,}",
+        )
+    if optimizer_state_bytes is not None and not (optimizer_state_bytes >= 0 and math.isfinite(optimizer_state_bytes)):
+        raise ArgumentValueError(
+            "optimizer_state_bytes", f"must be a finite number >= 0, got {optimizer_state_bytes!r}"
+        )
     for name, value in (("reduce_dtype_bytes", reduce_dtype_bytes), ("param_dtype_bytes", param_dtype_bytes)):
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive integer (bytes per element), got {value!r}")
+        if value is not None and (isinstance(value, bool) or value not in ELEMENT_SIZES):
+            raise ArgumentValueError(name, f"must be a dtype's bytes per element (1, 2, 4 or 8), got {value!r}")
     if param_dtype_bytes is not None and not precision.endswith("-mixed"):
-        raise ValueError(f"param_dtype_bytes applies to mixed precision only; {precision} fixes the dtype")
+        raise ArgumentValueError("param_dtype_bytes", f"applies to mixed precision only; {precision} fixes the dtype")
     if bandwidth_gbps is not None and not (bandwidth_gbps > 0 and math.isfinite(bandwidth_gbps)):
-        raise ValueError(f"bandwidth_gbps must be positive (GB/s), got {bandwidth_gbps!r}")
+        raise ArgumentValueError("bandwidth_gbps", f"must be positive (GB/s), got {bandwidth_gbps!r}")
     for name, value in (
         ("intra_node_gbps", intra_node_gbps),
         ("inter_node_gbps", inter_node_gbps),
         ("pcie_gbps", pcie_gbps),
     ):
         if value is not None and not (value > 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be positive (GB/s), got {value!r}")
-    memory = None if memory_per_device is None else parse_bytes(memory_per_device)
+            raise ArgumentValueError(name, f"must be positive (GB/s), got {value!r}")
+    memory = None if memory_per_device is None else parse_argument("memory_per_device", parse_bytes, memory_per_device)
     world_size = devices * nodes
-    shard = resolve_shard_size(shard_size, world_size, devices)
+    shard = parse_argument("shard_size", lambda size: resolve_shard_size(size, world_size, devices), shard_size)
 
     notes = []
     units: int | None = None
     if isinstance(model_or_numel, nn.Module):
         if largest_unit_params is not None:
-            raise ValueError("largest_unit_params is for a bare parameter count: a model's units are planned exactly")
+            raise ArgumentValueError(
+                "largest_unit_params", "is for a bare parameter count: a model's units are planned exactly"
+            )
         plan = _plan(model_or_numel, unit_modules)
         units = len(plan)
 
@@ -490,11 +564,21 @@ def estimate_memory(
         numel, trainable = int(counts.numel), int(counts.trainable)
     else:
         if unit_modules is not None:
-            raise ValueError("unit_modules needs a model (an nn.Module), not a parameter count")
-        numel = trainable = parse_count(model_or_numel)
+            raise ArgumentValueError("unit_modules", "needs a model (an nn.Module), not a parameter count")
+        numel = trainable = parse_argument("model_or_numel", parse_count, model_or_numel)
         if numel < 1:
-            raise ValueError(f"the parameter count must be at least 1, got {model_or_numel!r}")
-        largest = None if largest_unit_params is None else parse_count(largest_unit_params)
+            raise ArgumentValueError(
+                "model_or_numel",
+                f"must be at least 1, got {model_or_numel!r}",
+                f"the parameter count must be at least 1, got {model_or_numel!r}",
+            )
+        largest = None
+        if largest_unit_params is not None:
+            largest = parse_argument("largest_unit_params", parse_count, largest_unit_params)
+        if largest is not None and not 1 <= largest <= numel:
+            raise ArgumentValueError(
+                "largest_unit_params", f"must be between 1 and the parameter count ({numel:,}), got {largest:,}"
+            )
 
         def counts_for(size: int) -> _Counts:
             return _count_numel(numel, size, largest)

@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from lightning_zero.__main__ import main
 from lightning_zero.driver.config import ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
 from lightning_zero.dry_run import STATE_KEYS, StepMemory
@@ -184,3 +186,41 @@ def test_dry_run_at_two_ranks_equals_a_real_two_rank_run() -> None:
             assert 0 <= extra <= bound, (stage, rank, extra, bound)
             real["peak_step"].pop("step_allocations")
             assert peak_step == real["peak_step"], (stage, rank)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--world-size", "2", "--rank", "5"],
+            "argument --rank: must be in [0, 2) (one of the world_size ranks), got 5",
+        ),
+        (["--world-size", "3000000000"], "argument --world-size: must be at most 2,147,483,647 (torch's largest)"),
+        (["--world-size", "x"], "argument --world-size: expected a whole number >= 1, got 'x'"),
+        (["--world-size", "2", "--batch-shape", "0,8"], "argument --batch-shape: must be positive integers"),
+        (["--world-size", "2", "--batch-shape=-1,8"], "argument --batch-shape: must be positive integers"),
+        (["--world-size", "2", "--batch-shape", "1,x"], "argument --batch-shape: expected comma-separated integers"),
+        (["--world-size", "4", "--shard-size", "3"], "argument --shard-size: shard_size=3 does not divide the world"),
+        (["--world-size", "4", "--shard-size", "-2"], "argument --shard-size: expected a positive number of ranks"),
+        (["--world-size", "2", "--precision", "64-true"], "argument --precision: must be one of"),
+    ],
+)
+def test_cli_bad_numbers_are_refused_naming_the_flag(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as error:  # refused before the process group or the model
+        main(["dry-run", TARGET, *argv])
+    assert error.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_a_bad_number_or_a_batch_too_big_is_one_line_and_no_traceback() -> None:
+    for argv, line in [
+        (["--shard-size", "0"], "argument --shard-size: expected a positive number of ranks or 'node', got '0'"),
+        # 8 PiB of token ids: beyond any address space, refused at the allocation whatever the overcommit policy
+        (["--batch-shape", f"1,{2**50}"], "dry-run: rank 0 of 2 ran out of memory in this process"),
+    ]:
+        command = [sys.executable, "-m", "lightning_zero", "dry-run", TARGET, "--world-size", "2", *argv]
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert line in done.stderr.splitlines()[-1], done.stderr[-3000:]

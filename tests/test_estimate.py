@@ -1,7 +1,11 @@
-"""The memory and communication estimator (``lightning_zero.estimate``): arithmetic only, no processes."""
+"""The memory and communication estimator (``lightning_zero.estimate``): arithmetic only, no processes (one
+subprocess runs the command line, to see what a user sees of a bad number)."""
 
 import doctest
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,10 +14,19 @@ from torch import nn
 import lightning_zero.estimate
 from lightning_zero import estimate_memory
 from lightning_zero.__main__ import main
+from lightning_zero.dry_run import build_on_meta
 from lightning_zero.engine.core.layout import ShardLayout
 from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
-from lightning_zero.estimate import INTER_NODE_GBPS, INTRA_NODE_GBPS, PCIE_GBPS, parse_bytes, parse_count
+from lightning_zero.estimate import (
+    INTER_NODE_GBPS,
+    INTRA_NODE_GBPS,
+    PCIE_GBPS,
+    ArgumentValueError,
+    parse_bytes,
+    parse_count,
+)
 
+ROOT = Path(__file__).resolve().parents[1]
 PSI = 7_000_000_000
 STRATEGIES = ["ddp", "zero1", "zero2", "zero3"]
 
@@ -241,7 +254,7 @@ def test_parse_count(text: str, expected: int) -> None:
     assert parse_count(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "7X", "B", "-5", "1.5", "0.0005k", "7 B B", "1e"])
+@pytest.mark.parametrize("text", ["", "7X", "B", "-5", "1.5", "0.0005k", "7 B B", "1e", "1e400", "10000T"])
 def test_parse_count_errors(text: str) -> None:
     with pytest.raises(ValueError, match="parameter count"):
         parse_count(text)
@@ -270,13 +283,22 @@ def test_parse_bytes() -> None:
         ({"optimizer_state_bytes": -1}, "optimizer_state_bytes"),
         ({"param_dtype_bytes": 2}, "mixed precision only"),
         ({"unit_modules": ["Block"]}, "needs a model"),
+        ({"devices": 2**16, "nodes": 2**16}, "devices must be at most 32,767 with 65536 node"),
+        ({"optimizer_state_bytes": float("inf")}, "optimizer_state_bytes must be a finite number"),
+        ({"reduce_dtype_bytes": 3}, "reduce_dtype_bytes must be a dtype's bytes per element"),
+        ({"largest_unit_params": 2000}, "largest_unit_params must be between 1 and the parameter count"),
+        ({"largest_unit_params": 0}, "largest_unit_params must be between 1"),
+        ({"shard_size": 3, "devices": 8}, "shard_size=3 does not divide the world size 8"),
     ],
 )
 def test_invalid_inputs(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ArgumentValueError, match=message) as raised:  # a ValueError naming the argument
         estimate_memory(1000, **kwargs)
-    with pytest.raises(ValueError, match="at least 1"):
-        estimate_memory(0)
+    assert raised.value.argument in kwargs, raised.value.argument
+    for count, message in ((0, "the parameter count must be at least 1"), (-1, "whole number >= 0"), ("1e400", "2")):
+        with pytest.raises(ArgumentValueError, match=message) as raised:
+            estimate_memory(count)
+        assert raised.value.argument == "model_or_numel"
 
 
 def odd_model() -> nn.Module:
@@ -381,7 +403,20 @@ def test_cli_hybrid_and_parameter_offload(capsys: pytest.CaptureFixture[str]) ->
         (["--params", "7B", "--memory", "80XB"], "bytes"),
         (["--params", "7B", "--precision", "fp8"], "invalid choice"),
         (["--params", "7B", "--prefetch", "-1"], "prefetch"),
-        (["--params", "0"], "at least 1"),
+        (["--params", "0"], "argument --params: must be at least 1, got 0"),
+        (["--params", "1e400"], "argument --params: a parameter count must be at most 2**53"),
+        (["--params", "7B", "--bandwidth", "-1"], "argument --bandwidth: must be positive (GB/s), got -1.0"),
+        (["--params", "7B", "--pcie-bandwidth", "0"], "argument --pcie-bandwidth: must be positive"),
+        (["--params", "7B", "--optimizer-state-bytes", "inf"], "argument --optimizer-state-bytes: must be a finite"),
+        (["--params", "7B", "--largest-unit", "8B"], "argument --largest-unit: must be between 1 and the parameter"),
+        (["--params", "7B", "--accumulate-grad-batches", "0"], "argument --accumulate-grad-batches: must be an"),
+        (["--params", "7B", "--nodes", "x"], "argument --nodes: expected a whole number >= 1, got 'x'"),
+        (["--params", "7B", "--devices", "3000000000"], "argument --devices: must be at most 2,147,483,647"),
+        (["--params", "7B", "--reduce-dtype-bytes", "3"], "argument --reduce-dtype-bytes: must be a dtype's bytes"),
+        (["--params", "7B", "--unit-modules", "Block"], "argument --unit-modules: needs a model"),
+        ([], "the model is required: --params"),
+        (["examples/dry_run_gpt.py:GPTSmall", "--params", "7B"], "not both"),
+        (["examples/nowhere.py:GPT"], "argument FILE.py:CLASS: 'examples/nowhere.py' is not a file"),
     ],
 )
 def test_cli_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -426,3 +461,23 @@ def test_accumulation_rows_count_both_modes_per_optimizer_step_and_may_be_recomm
     )
     assert fitting.recommended is not None and fitting.recommended.options(8) == {"accumulate": "local"}
     assert "ZeRO3Strategy(accumulate='local')" in fitting.recommendation
+
+
+def test_cli_a_bad_number_is_one_line_with_exit_status_2_and_no_traceback() -> None:
+    command = [sys.executable, "-m", "lightning_zero", "estimate", "--params", "1e400", "--devices", "8"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "python -m lightning_zero estimate: error: argument --params: a parameter count must be at most 2**53 "
+        "(about 9.0e15), got '1e400'"
+    )
+
+
+def test_cli_takes_a_model_as_dry_run_does(capsys: pytest.CaptureFixture[str]) -> None:
+    target = f"{ROOT}/examples/dry_run_gpt.py:GPTSmall"
+    assert main(["estimate", target, "--devices", "8", "--unit-modules", "Block", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    module = build_on_meta(target)  # on the meta device: shapes only
+    assert all(p.is_meta for p in module.parameters())
+    expected = estimate_memory(module, devices=8, unit_modules=["Block"]).as_dict()
+    assert printed == expected and printed["numel"] == sum(p.numel() for p in module.parameters())

@@ -133,7 +133,7 @@ from torch import nn
 
 from lightning_zero.engine.comm.comm import Comm, Pending
 from lightning_zero.engine.comm.labels import label
-from lightning_zero.engine.comm.quantized import all_gather_quantized
+from lightning_zero.engine.comm.quantized import all_gather_quantized, plan_blocks
 from lightning_zero.engine.core.layout import ParamShard, ShardLayout
 from lightning_zero.engine.core.ledger import GatherLedger
 from lightning_zero.engine.core.param_checks import check_unit_params
@@ -273,6 +273,18 @@ class ShardedUnit:
         self.quantize_weights = quantize_weights if reshard_after_forward and not comm.skips_collectives else None
         self.quantize_grads = quantize_grads if not comm.skips_collectives else None
         self.holds_quantized = False  # ``flat`` holds dequantized values of a quantized gather, not the master's
+        # Which blocks of each rank's range go exactly (the blocks across parameters), decided once from the layout:
+        # see [Note: blocks that span parameters] in comm/quantized.py.
+        self.block_plan = (
+            plan_blocks(
+                self.layout.shard_numel,
+                comm.world_size,
+                (offset for offset, numel in zip(self.layout.offsets, self.layout.numels) if numel),
+                self.device,
+            )
+            if self.quantize_weights or self.quantize_grads
+            else None
+        )
         self.separate_master = self.dtype != self.master_dtype or self.offload
         self._pin = self.offload and self.device.type == "cuda"  # see [Note: offload copies]
 
@@ -394,10 +406,15 @@ class ShardedUnit:
                 with torch.no_grad():
                     # Which unit is gathered when depends on the model's control flow: checked (see
                     # [Note: collective checks] in sequence.py).
-                    gather = all_gather_quantized if self.quantize_weights else Comm.all_gather
-                    self._gathering = gather(
-                        self.comm, self.flat, self._gather_source(), name=self.name, guard=True, async_op=async_op
-                    )
+                    source = self._gather_source()
+                    if self.block_plan is not None and self.quantize_weights:
+                        self._gathering = all_gather_quantized(
+                            self.comm, self.flat, source, self.block_plan, name=self.name, guard=True, async_op=async_op
+                        )
+                    else:
+                        self._gathering = self.comm.all_gather(
+                            self.flat, source, name=self.name, guard=True, async_op=async_op
+                        )
                     self.holds_quantized = self.quantize_weights is not None
             self.state = UnitState.UNSHARDED
         if not async_op:

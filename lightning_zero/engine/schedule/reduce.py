@@ -127,8 +127,8 @@ def _issue_reduction(
     if divide_first:
         flat_grad.div_(world)
     out = torch.empty(width, dtype=unit.reduce_dtype, device=unit.device)
-    if unit.quantize_grads:  # see [Note: quantized collectives] in comm/quantized.py
-        pending = reduce_scatter_quantized(unit.comm, out, chunks, name=unit.name, async_op=async_op)
+    if unit.quantize_grads and unit.block_plan is not None:  # see [Note: quantized collectives] in comm/quantized.py
+        pending = reduce_scatter_quantized(unit.comm, out, chunks, unit.block_plan, name=unit.name, async_op=async_op)
     else:
         pending = unit.comm.reduce_scatter(out, flat_grad, name=unit.name, async_op=async_op)
     divisor = world if world > 1 and not divide_first else None
