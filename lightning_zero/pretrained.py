@@ -64,7 +64,11 @@ def from_pretrained(model_class: Any, path: str | Path, **kwargs: Any) -> nn.Mod
     if trace is None:
         return model_class.from_pretrained(path, **kwargs)
     import transformers
-    from transformers.modeling_utils import no_init_weights
+
+    try:  # transformers 5 moved it (and its other initialization helpers) into transformers.initialization
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        from transformers.modeling_utils import no_init_weights
 
     path = local_checkpoint(path, kwargs.pop("revision", None))
     model_kwargs = {name: kwargs.pop(name) for name in _MODEL_ARGUMENTS if name in kwargs}
@@ -109,14 +113,18 @@ def model_dtype(dtype: Any, torch_dtype: Any, config: Any, files: WeightFiles) -
     ``dtype`` wins where both are given. Neither: torch's default dtype (float32) in transformers 4, which
     records it in the config; ``"auto"`` in transformers 5, which changed that default. ``"auto"``: the dtype the
     config records (``dtype``, or ``torch_dtype`` as older versions write it), else the weights' (the first
-    floating-point tensor of the first file). A name (``"bfloat16"``) or a ``torch.dtype``: that one, recorded in
-    the config and its sub-configs. A dict: per sub-config, ``""`` for the rest (float32 without it).
+    floating-point tensor of the first file), recorded in the config by transformers 5 only. A name
+    (``"bfloat16"``) or a ``torch.dtype``: that one, recorded in the config and its sub-configs. A dict: per
+    sub-config, ``""`` for the rest (float32 without it).
     """
     requested = dtype if dtype is not None else torch_dtype
     if requested is None:
         requested = "auto" if _transformers_version() >= (5, 0) else torch.get_default_dtype()
     if isinstance(requested, str) and requested == "auto":
-        return _config_dtype(config) or files.weights_dtype() or torch.get_default_dtype()
+        found = _config_dtype(config) or files.weights_dtype() or torch.get_default_dtype()
+        if _transformers_version() >= (5, 0):  # which records it in the config as any other dtype
+            _set_config_dtype(config, found)
+        return found
     if isinstance(requested, dict):
         for sub, value in requested.items():
             if sub and hasattr(config, sub):

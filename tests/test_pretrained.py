@@ -27,7 +27,7 @@ from lightning_zero.engine.meta.init_trace import MetaInitError, record_meta_ini
 from lightning_zero.engine.meta.pretrained import plan_weight_load
 from tests.distributed import spawn
 from tests.models import quiet_trainer
-from tests.real_models import build, dataset, logits
+from tests.real_models import build, dataset, logits, save_pretrained
 
 REPO = Path(__file__).resolve().parents[1]
 transformers = pytest.importorskip("transformers")
@@ -165,7 +165,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     for name, safe, shard in (("llama", True, None), ("gpt2", True, None), ("gpt2-bin", False, "40KB")):
         torch.manual_seed(3)
         model = build(name.split("-")[0], layers=3)
-        model.save_pretrained(root / name, safe_serialization=safe, max_shard_size=shard or "5GB")
+        save_pretrained(model, root / name, safe_serialization=safe, max_shard_size=shard or "5GB")
         paths[name] = str(root / name)
     torch.manual_seed(3)
     build("llama", layers=3).save_pretrained(root / "llama-shards", max_shard_size="40KB")
@@ -437,7 +437,7 @@ def test_unused_float8_and_unsigned_tensors_load_and_integer_tensors_are_not_cas
 def _save_llama(path: Path, seed: int, **kwargs: Any) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     model = build("llama", layers=1)
-    model.save_pretrained(path, **kwargs)
+    save_pretrained(model, path, **kwargs)
     return model.state_dict()
 
 

@@ -84,6 +84,7 @@ class CallRecorder(Protocol):
     calls_observed: bool
     generator_state_read: bool
     suppressed: int
+    library_modules: Any  # a WeakSet of modules
 
     def add_call(self, function: Any, arguments: dict[str, Any], random: bool) -> None: ...
 
@@ -161,7 +162,9 @@ class InitCallObserver:
                 self.trace.suppressed += 1
             return
         if code is self._transformers_init_weights():
-            self.pending.append((frame, frame.f_locals["self"]))
+            model = frame.f_locals["self"]
+            self.pending.append((frame, model))
+            self.trace.library_modules.update(model.modules())
 
     def _transformers_init_weights(self) -> Any:
         if self._init_weights_code is None:
@@ -183,9 +186,11 @@ def _skips_init_on_meta() -> bool:
     return int(version.split(".")[0]) >= 5
 
 
-def uninitialized_library_modules(module: nn.Module) -> list[str]:
+def uninitialized_library_modules(module: nn.Module, library_modules: Any) -> list[str]:
     """Modules of a transformers (>= 5) model inside ``module`` that hold meta tensors and that the library's
-    ``initialize_weights`` never reached (see [Note: init calls on meta])."""
+    ``initialize_weights`` never reached (see [Note: init calls on meta]). ``library_modules``: the modules the
+    models held when their ``init_weights`` ran; modules added later (peft's adapters, a user's head) are
+    initialized by their own recorded code and are not the library's to initialize."""
     modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is None or not _skips_init_on_meta():
         return []
@@ -194,7 +199,8 @@ def uninitialized_library_modules(module: nn.Module) -> list[str]:
         if not isinstance(mod, modeling.PreTrainedModel):
             continue
         for sub_name, sub in mod.named_modules(prefix=name):
-            own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
-            if any(t.is_meta for t in own) and not getattr(sub, "_is_hf_initialized", False):
+            if sub not in library_modules or getattr(sub, "_is_hf_initialized", False):
+                continue
+            if any(t.is_meta for t in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]):
                 missing[sub_name or type(sub).__name__] = None
     return list(missing)

@@ -120,6 +120,9 @@ class InitTrace:
     # Parameters and buffers whose values come from weight files, read a shard at a time at setup instead of
     # replayed (see [Note: reading weights by the slice] in weight_files.py): ``pretrained.WeightLoad``s.
     weight_loads: list[Any] = field(default_factory=list)
+    # The modules of the transformers models whose ``init_weights`` ran while recording: the ones their library
+    # initializes. A module added later (peft's LoRA layers) is initialized by its own code, recorded as any other.
+    library_modules: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
 
     def add_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self.suppressed:

@@ -161,7 +161,7 @@ def materialize_units(
             "differ. Seed with torch.manual_seed(...) instead of saving and restoring the state, build the model in "
             "__init__, or pass meta_init=False."
         )
-    missing = uninitialized_library_modules(module)
+    missing = uninitialized_library_modules(module, trace.library_modules)
     if missing:
         raise MetaInitError(
             f"transformers skips its weight initialization (_init_weights) on the meta device, and it did not "
