@@ -11,6 +11,7 @@ order) are checked at 1e-6 relative.
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.plugins.precision import MixedPrecision
+from lightning.fabric.utilities.load import _lazy_load as lazy_load
 from torch import nn
 
 import lightning_zero  # registers the strategy names with Fabric
@@ -192,6 +194,14 @@ def _features(rank: int, world_size: int) -> dict[str, Any]:
     out["param_bytes_fraction"] = fabric.strategy.sharded_model.memory_stats()["params"] / full_bytes
     model.load_state_dict(pretrained)
     out["pretrained_loaded"] = all(torch.equal(v, pretrained[k]) for k, v in model.state_dict().items())
+    # As LitGPT loads a checkpoint after setup: model.load_state_dict(lazy_load(path)), tensors read on use.
+    torch.manual_seed(2)
+    other = GPT(config).state_dict()
+    with tempfile.TemporaryDirectory() as folder:
+        torch.save(other, Path(folder) / "lit_model.pth")
+        model.load_state_dict(lazy_load(Path(folder) / "lit_model.pth"))
+    out["lazy_loaded"] = all(torch.equal(v, other[k]) for k, v in model.state_dict().items())
+    model.load_state_dict(pretrained)
     with torch.no_grad():
         out["eval_matches"] = torch.equal(model(x), reference(x))
     # User collectives next to the engine's.
@@ -247,7 +257,7 @@ def test_init_module_precisions_collectives_and_example() -> None:
     out = spawn(_features, world_size=2)[0]
     assert out["built_on_meta"]
     assert out["param_bytes_fraction"] < 0.75  # half the parameters per rank, plus padding
-    assert out["pretrained_loaded"] and out["eval_matches"]
+    assert out["pretrained_loaded"] and out["lazy_loaded"] and out["eval_matches"]
     assert out["all_reduce"] == 1.0 and out["all_gather"] == [0, 1]
     assert "fabric.setup" in out["no_sync_error"]
     assert out["released"]

@@ -265,6 +265,32 @@ def _fabric_and_load_weights(rank: int, world_size: int, path: str, state: str) 
     reference = GPT(config)
     initialize_weights(fabric, reference, n_layer=2, n_embd=32)
     assert all(torch.equal(gpt.state_dict()[k], v) for k, v in reference.state_dict().items())
+    # LitGPT's finetune_lora: a base checkpoint loaded after setup with its own load_checkpoint
+    # (model.load_state_dict(lazy_load(path), strict=False)), its LoRA layers renaming qkv.weight to
+    # qkv.linear.weight (and lm_head.weight to lm_head.linear.weight) in their _load_from_state_dict.
+    from litgpt.lora import GPT as LoRAGPT
+    from litgpt.lora import Config as LoRAConfig
+    from litgpt.utils import load_checkpoint
+
+    base = Path(state).with_name("lit_model.pth")
+    if fabric.global_rank == 0:
+        torch.save(reference.state_dict(), base)
+    fabric.barrier()
+    lora = dict(lora_r=4, lora_alpha=8, lora_query=True, lora_value=True, lora_projection=True, lora_head=True)
+    lora_config = LoRAConfig(n_layer=2, n_embd=32, n_head=4, padded_vocab_size=64, block_size=8, **lora)
+    fabric = L.Fabric(accelerator="cpu", devices=world_size, strategy="zero3")
+    fabric.launch()
+    torch.manual_seed(1)
+    with fabric.init_module(empty_init=True):
+        adapted = LoRAGPT(lora_config)
+    adapted = fabric.setup(adapted)
+    load_checkpoint(fabric, adapted, base, strict=False)
+    torch.manual_seed(1)
+    expected = LoRAGPT(lora_config)
+    expected.load_state_dict(torch.load(base, weights_only=True), strict=False)
+    got = adapted.state_dict()
+    assert got.keys() == expected.state_dict().keys()
+    assert all(torch.equal(got[k], v) for k, v in expected.state_dict().items())
 
 
 def test_from_pretrained_load_weights_and_litgpt_init_under_fabric(pretrained: dict[str, str], tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -131,6 +132,18 @@ class StateDictGatherer:
 class ShardLoader:
     """``load_state_dict`` pre- and post-hooks on every module of a sharded model.
 
+    [Note: loading into the shards]
+    The entries of sharded parameters are taken out of the state dict by each module's pre-hook, as the
+    module sees them: torch runs a module's ``load_state_dict`` pre-hooks inside ``Module._load_from_state_dict``,
+    so after any renaming the module's own override did first (LitGPT's LoRA layers load ``qkv.weight`` as
+    ``qkv.linear.weight`` that way), and each child gets its own filtered copy of the dict. The module the user
+    called ``load_state_dict`` on (its prefix is empty) opens the load; its post-hook, which torch runs after
+    every module below it, writes what was taken into the shards one unit at a time, in unit order (the same
+    collectives on every rank), so that memory never holds more than one full unit besides the state dict, and
+    takes the keys it loaded out of ``missing_keys``. A stage-3 parameter, whose storage is freed, is never
+    written directly. A source that is not a tensor yet (Lightning's and LitGPT's ``lazy_load``) is read from
+    its file when it is copied.
+
     Example::
 
         loader = ShardLoader(units)
@@ -141,47 +154,52 @@ class ShardLoader:
 
     def __init__(self, units: list[ShardedUnit]) -> None:
         self.units = units
-        self._unit_of_param = {id(p): unit for unit in units for p in unit.params}
+        self._where = {id(p): (unit, i) for unit in units for i, p in enumerate(unit.params)}
         self._handles: list[Any] = []
-        self._streamed_keys: dict[int, set[str]] = {}
+        self._load: _Load | None = None
 
     def install(self, root: nn.Module) -> None:
         for module in root.modules():
-            self._handles.append(module.register_load_state_dict_pre_hook(EngineHook(self._stream_into_shards)))
-            self._handles.append(module.register_load_state_dict_post_hook(EngineHook(self._forget_streamed_keys)))
+            self._handles.append(module.register_load_state_dict_pre_hook(EngineHook(self._take_sharded)))
+            self._handles.append(module.register_load_state_dict_post_hook(EngineHook(self._stream_into_shards)))
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
 
-    def _stream_into_shards(
+    def _take_sharded(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *_args: Any, **_kwargs: Any
     ) -> None:
-        """Pre-hook of ``load_state_dict`` on every module: the module the user called it on (``prefix`` is
-        empty) takes the entries of sharded parameters out of ``state_dict`` and writes them into the shards,
-        one unit at a time, so that memory never holds more than one full unit besides ``state_dict`` (and
-        stage-3 parameters, whose storage is freed, are never written directly). A collective: every rank
-        loads the same keys."""
-        if prefix:
+        """Pre-hook of every module: take the entries of this module's own sharded parameters (see the note)."""
+        if not prefix:
+            self._load = _Load(module)
+        load = self._load
+        if load is None:  # ``_load_from_state_dict`` called outside a load_state_dict: left to torch
             return
-        own = module.state_dict(keep_vars=True)  # reads no parameter data
-        found: dict[ShardedUnit, dict[int, torch.Tensor]] = {}
-        handled = []
-        for key, value in own.items():
-            unit = self._unit_of_param.get(id(value))
-            if unit is None or key not in state_dict:
+        for name, param in module._parameters.items():
+            where = self._where.get(id(param)) if param is not None else None
+            key = prefix + name
+            if where is None or key not in state_dict:
                 continue
             source = state_dict.pop(key)
-            handled.append(key)
-            if tuple(source.shape) != tuple(value.shape):
+            if tuple(source.shape) != tuple(param.shape):
                 raise RuntimeError(
                     f"size mismatch for {key}: the state dict holds shape {tuple(source.shape)}, the model's "
-                    f"parameter has shape {tuple(value.shape)}"
+                    f"parameter has shape {tuple(param.shape)}"
                 )
-            found.setdefault(unit, {})[next(i for i, p in enumerate(unit.params) if p is value)] = source
+            unit, index = where
+            load.sources.setdefault(unit, {})[index] = source
+            load.keys.add(key)
+
+    def _stream_into_shards(self, module: nn.Module, incompatible: Any) -> None:
+        """Post-hook of every module; on the one the load was called on, write what was taken into the shards."""
+        load = self._load
+        if load is None or module is not load.root:
+            return
+        self._load = None
         for unit in self.units:  # in unit order: the same collectives on every rank
-            sources = found.get(unit)
+            sources = load.sources.get(unit)
             if not sources:
                 continue
             if len(sources) < len(unit.params):
@@ -190,16 +208,20 @@ class ShardLoader:
                 full = torch.zeros(unit.layout.padded_numel, dtype=unit.master_dtype, device=unit.device)
             for index, source in sources.items():
                 offset, numel = unit.layout.offsets[index], unit.layout.numels[index]
-                full[offset : offset + numel].copy_(source.detach().reshape(-1))
+                with torch.no_grad():  # ``source`` as an argument: a lazily loaded one is read by the copy
+                    full[offset : offset + numel].view(tuple(source.shape)).copy_(source)
             unit.load_full_flat(full)
             del full
-        self._streamed_keys[id(module)] = set(handled)
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in load.keys]
 
-    def _forget_streamed_keys(self, module: nn.Module, incompatible: Any) -> None:
-        """Post-hook: the entries ``_stream_into_shards`` loaded are not missing."""
-        handled = self._streamed_keys.pop(id(module), None)
-        if handled:
-            incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in handled]
+
+@dataclass
+class _Load:
+    """One ``load_state_dict`` call in progress (see [Note: loading into the shards])."""
+
+    root: nn.Module
+    sources: dict[ShardedUnit, dict[int, Any]] = field(default_factory=dict)  # unit -> parameter index -> value
+    keys: set[str] = field(default_factory=set)
 
 
 def full_optimizer_state_dict(optimizer: Optimizer, units: list[ShardedUnit], comm: Comm) -> dict[str, Any]:
