@@ -106,9 +106,6 @@ class WeightFiles:
             return header.tensors[key].dtype
         return str(self._handle(key)[key].dtype).removeprefix("torch.")
 
-    def file_of(self, key: str) -> Path:
-        return self._where[key]
-
     def weights_dtype(self) -> torch.dtype | None:
         """The dtype transformers' ``dtype="auto"`` takes from the weights, where the config records none: that of
         the first floating-point tensor of the first file (by file name, tensors in the order the file lists them:
