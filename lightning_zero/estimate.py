@@ -141,9 +141,14 @@ class _Counts(NamedTuple):
     units: int | None  # how many units (None: unknown, a bare count)
     largest_unit: int | None  # padded numel of the largest unit other than the root (None: unknown)
     root_unit: int = 0  # padded numel of the root unit (0: none, or a bare count)
+    # Padded and shard numel of the units stage 3 gathers once per micro-batch rather than twice (see
+    # ``stage3_gathered_bytes``): the root unit and the unit that ends the forward. 0: a bare count.
+    once_padded: int = 0
+    once_shard: int = 0
     # Per unit: its shard_numel, how many full blocks of its quantized rows go exactly, whether it has a trainable
-    # parameter (see [Note: blocks that span parameters] in engine/comm/quantized.py). None: a bare count.
-    quantized_rows: tuple[tuple[int, int, bool], ...] | None = None
+    # parameter (see [Note: blocks that span parameters] in engine/comm/quantized.py), whether stage 3 gathers it
+    # once per micro-batch. None: a bare count.
+    quantized_rows: tuple[tuple[int, int, bool, bool], ...] | None = None
 
     def quantized_bytes(self, element: int, world_size: int, trainable_only: bool) -> float:
         """Bytes of one quantized collective of every unit (or of those with a trainable parameter), all its rows:
@@ -153,8 +158,31 @@ class _Counts(NamedTuple):
         return float(
             sum(
                 world_size * row_bytes(numel, element, exact)
-                for numel, exact, trainable in self.quantized_rows
+                for numel, exact, trainable, _ in self.quantized_rows
                 if trainable or not trainable_only
+            )
+        )
+
+    def stage3_gathered_bytes(self, element: int, world_size: int, quantized: bool) -> float:
+        """Bytes of the all-gathers of one stage-3 micro-batch, all ranks' rows (the ring's (N-1)/N not applied).
+
+        [Note: gathers per micro-batch]
+        Every unit is gathered in its forward and again when backward reaches it, with two exceptions that the
+        engine makes (see [Note: prefetch] in ``engine/schedule/stage3.py``): the root unit is held gathered for the
+        whole step, and the unit that ends the recorded forward stays gathered for the backward that starts with
+        it. Each is gathered once. Which unit ends the forward is known only by running the model; the estimate
+        takes the last unit in registration order other than the root, the last block of a transformer. So a
+        model below the one-unit threshold (the root unit alone, see [Note: default units] in
+        ``engine/core/grouping.py``) is gathered once per micro-batch, as stages 1 and 2 are, and a bare count
+        keeps the theory's two gathers of everything (3Ψ in all with the reduction)."""
+        if not quantized:
+            return (2 * self.padded - self.once_padded) * element
+        if self.quantized_rows is None:
+            return 2 * self.padded * WIRE_BYTES_PER_ELEMENT
+        return float(
+            sum(
+                (1 if once else 2) * world_size * row_bytes(numel, element, exact)
+                for numel, exact, _, once in self.quantized_rows
             )
         )
 
@@ -187,12 +215,20 @@ def _plan(model: nn.Module, unit_modules: Sequence[type[nn.Module] | str] | None
 def _count_model(units: list[_Planned], world_size: int) -> _Counts:
     per_rank = [0] * world_size  # trainable elements in each rank's shards
     numel = trainable = padded = trainable_padded = shard = grad_shard = largest = root = 0
+    once_padded = once_shard = 0
     quantized_rows = []
-    for numels, trainable_mask, is_root in units:
+    # The units gathered once per micro-batch under stage 3: the root, and the last other unit (see [Note: gathers
+    # per micro-batch]).
+    ends_forward = max((i for i, (_, _, is_root) in enumerate(units) if not is_root), default=None)
+    for index, (numels, trainable_mask, is_root) in enumerate(units):
         layout = ShardLayout.from_shapes([(n,) for n in numels], world_size)
         starts = (offset for offset, n in zip(layout.offsets, numels) if n)  # as ShardedUnit plans its blocks
         exact = max(map(len, mixed_blocks(layout.shard_numel, world_size, starts)), default=0)
-        quantized_rows.append((layout.shard_numel, exact, any(trainable_mask)))
+        once = is_root or index == ends_forward
+        quantized_rows.append((layout.shard_numel, exact, any(trainable_mask), once))
+        if once:
+            once_padded += layout.padded_numel
+            once_shard += layout.shard_numel
         numel += layout.numel
         padded += layout.padded_numel
         shard += layout.shard_numel
@@ -212,7 +248,7 @@ def _count_model(units: list[_Planned], world_size: int) -> _Counts:
             for rank in range(first, last + 1):  # a parameter's pieces, rank by rank
                 per_rank[rank] += min(offset + n, (rank + 1) * size) - max(offset, rank * size)
     counts = (numel, trainable, padded, trainable_padded, shard, grad_shard, max(per_rank), len(units), largest, root)
-    return _Counts(*counts, quantized_rows=tuple(quantized_rows))
+    return _Counts(*counts, once_padded, once_shard, tuple(quantized_rows))
 
 
 # ---------------------------------------------------------------------------------------------- accounting
@@ -294,7 +330,8 @@ def _zero_row(
 ) -> StrategyEstimate:
     """One ZeRO row; ``counts`` laid out over ``shard_size`` ranks (see [Note: hybrid sharding] in
     ``engine/comm/mesh.py`` and docs/multinode.md). Bytes are per optimizer step, over its ``micro_batches``:
-    stage 3 gathers every unit twice per micro-batch, and stages 2 and 3 reduce-scatter every micro-batch unless
+    stage 3 gathers every unit twice per micro-batch but the root unit and the unit that ends the forward (see
+    [Note: gathers per micro-batch]), and stages 2 and 3 reduce-scatter every micro-batch unless
     ``accumulate="local"`` (see [Note: local accumulation] in ``engine/schedule/grads.py``), which holds the full
     gradients on the device instead, as stage 1 does."""
     d, world_size, prefetch, links, memory, micro_batches, activations, quantize_weights, quantize_grads = setting
@@ -322,25 +359,25 @@ def _zero_row(
         if (stage == 3)
         else 0.0
     )
-    # Inside each shard group: the reduce-scatter, and the all-gathers (stage 3: forward and backward; stages 1
-    # and 2: the updated shards after the step). Across the groups: one all-reduce of each gradient shard.
-    gathers = 2 * micro_batches if stage == 3 else 1
+    # Inside each shard group: the reduce-scatter, and the all-gathers (stage 3: forward and backward, see [Note:
+    # gathers per micro-batch]; stages 1 and 2: the updated shards after the step). Across the groups: one
+    # all-reduce of each gradient shard.
     reductions = 1 if local else micro_batches
     # Quantized rows carry 1 byte per element and a 4-byte scale per block, and the blocks across parameters exactly
     # (see [Note: quantized collectives]), inside the shard group only; the replicas' all-reduce stays exact.
     weights = quantize_weights if stage == 3 else None
     grads = quantize_grads if stage > 1 else None
     gathered_bytes = (
-        counts.quantized_bytes(c, shard_size, trainable_only=False)
-        if weights
-        else (counts.padded if stage == 3 else counts.trainable_padded) * c
+        micro_batches * counts.stage3_gathered_bytes(c, shard_size, quantized=bool(weights))
+        if stage == 3
+        else counts.trainable_padded * c
     )
     reduced_bytes = (
         counts.quantized_bytes(d.reduce, shard_size, trainable_only=True)
         if grads
         else counts.trainable_padded * d.reduce
     )
-    inside = (reductions * reduced_bytes + gathers * gathered_bytes) * (shard_size - 1) / shard_size
+    inside = (reductions * reduced_bytes + gathered_bytes) * (shard_size - 1) / shard_size
     replicas = world_size // shard_size
     across = reductions * 2 * counts.grad_shard * d.reduce * (replicas - 1) / replicas
     seconds = links.seconds(shard_size, inside) + links.seconds(replicas, across, stride=shard_size)
@@ -351,7 +388,8 @@ def _zero_row(
     # offload_params the shard goes up at each gather instead of once after the step.
     host = 0.0
     if offload:
-        host = reductions * grad_shard + (gathers if offload_params else 1) * counts.shard * c
+        uploaded = micro_batches * (2 * counts.shard - counts.once_shard) if offload_params else counts.shard
+        host = reductions * grad_shard + uploaded * c
     return StrategyEstimate(
         f"zero{stage}",
         device,
@@ -611,8 +649,8 @@ def estimate_memory(
         notes.append("one device: nothing is communicated and nothing is sharded")
     if accumulate_grad_batches > 1:
         notes.append(
-            f"bytes are per optimizer step of {accumulate_grad_batches} micro-batches: stage 3 gathers every unit "
-            "twice per micro-batch; stages 2 and 3 reduce-scatter every micro-batch, or once per step with "
+            f"bytes are per optimizer step of {accumulate_grad_batches} micro-batches: stage 3 gathers its units "
+            "in every micro-batch; stages 2 and 3 reduce-scatter every micro-batch, or once per step with "
             "accumulate='local' (the rows 'local accumulation'), which holds the full gradients meanwhile"
         )
     if activations is not None and not isinstance(activations, ActivationProfile):

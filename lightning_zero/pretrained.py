@@ -191,7 +191,7 @@ def load_weights(module: nn.Module, path: str | Path) -> nn.Module:
     path = local_checkpoint(path)
     files = WeightFiles.open(path)
     load = plan_weight_load(module, files, source=str(path))
-    trace = active_recording()
+    trace = active_recording(building=False)  # also after the init_module block, until setup
     if trace is not None and any(p.is_meta for p in module.parameters()):
         trace.weight_loads.append(load)
         return module
@@ -210,7 +210,9 @@ def export_pretrained(
 ) -> Path:
     """Convert a training checkpoint (a sharded directory or a full file, from any stage and world size) into a
     Hugging Face checkpoint in the directory ``output``, offline, on one process: ``model.safetensors`` and the
-    model's ``config.json``, which plain ``from_pretrained`` loads.
+    model's ``config.json``, which plain ``from_pretrained`` loads. A folder that holds a checkpoint already keeps
+    its other files; its weight files of another layout (an index and its shards, ``pytorch_model.bin``) are
+    removed once the new file is in place, as ``strategy.save_pretrained`` does.
 
     ``config``: the model's config, or where to read it (the directory it was fine-tuned from);
     ``model_class``: the transformers class whose parameter names the files must use (default
@@ -226,6 +228,8 @@ def export_pretrained(
     import transformers
 
     from lightning_zero.driver.checkpointing import consolidate, save_safetensors
+    from lightning_zero.engine.checkpoint.hf_export import replace_checkpoint
+    from lightning_zero.engine.checkpoint.saving import Ranks
 
     model_class = model_class or transformers.AutoModelForCausalLM
     if not isinstance(config, transformers.PretrainedConfig):
@@ -239,6 +243,7 @@ def export_pretrained(
     stored = [next((n for n in names if n not in tied), names[0]) for names in groups.values()]
     buffers = [name for name in skeleton.state_dict() if name not in {n for g in groups.values() for n in g}]
     state = consolidate(checkpoint)["state_dict"]
+    _refuse_peft(state)
     prefix = _prefix_for(state, stored)
     missing = [name for name in stored if prefix + name not in state]
     if missing:
@@ -249,9 +254,33 @@ def export_pretrained(
     tensors = {name: state[prefix + name] for name in stored}
     tensors.update({name: state[prefix + name] for name in buffers if prefix + name in state})
     output = Path(output)
-    save_safetensors(tensors, output / "model.safetensors")
-    config.save_pretrained(output)
+
+    def write(staging: Path) -> list[str]:
+        save_safetensors(tensors, staging / "model.safetensors")
+        config.save_pretrained(staging)
+        return sorted(child.name for child in staging.iterdir() if child.is_file() and not child.name.startswith("."))
+
+    # Written beside the folder's checkpoint and put in its place as strategy.save_pretrained does: the weight files
+    # of an earlier layout (an index and its shards, a pytorch_model.bin) are removed once the new file is in place,
+    # so that from_pretrained cannot read them (see [Note: replacing a Hugging Face checkpoint]).
+    replace_checkpoint(Ranks(0, 1, lambda value: value), output, write)
     return output
+
+
+def _refuse_peft(state: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for the training checkpoint of a peft ``PeftModel``, saying how to save one."""
+    key = next((k for k in state if "base_model.model." in k and (".base_layer." in k or ".lora_" in k)), None)
+    if key is None:
+        return
+    prefix = key[: key.index("base_model.model.")]
+    raise ValueError(
+        f"the checkpoint holds a peft PeftModel (its keys name peft's layers, such as {key!r}), which "
+        "export_pretrained does not convert: save the adapter during the run with "
+        "trainer.strategy.save_pretrained(self.model, path) (peft's files; merged=True for the model with the "
+        "adapter merged in), or rebuild the PeftModel on one process (peft.get_peft_model(AutoModelForCausalLM"
+        ".from_pretrained(base), lora_config)), load into it lightning_zero.consolidate_checkpoint(checkpoint)"
+        f"['state_dict'] with the prefix {prefix!r} removed from each key, and call its save_pretrained(path)"
+    )
 
 
 def _prefix_for(state: dict[str, Any], names: list[str]) -> str:

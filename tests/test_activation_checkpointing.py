@@ -1,7 +1,8 @@
 """``activation_checkpointing_policy`` (issue 29, part 1): the selected modules recompute their forward in backward,
 through both doors, under every stage, bitwise as DDP with the same modules checkpointed by hand (and as no
 checkpointing at all where nothing is random), each block run twice per micro-batch and, under stage 3, no gather
-added; names, state dicts and checkpoints as without it.
+added; names, state dicts and checkpoints as without it. Hugging Face decoder layers with their models' cache
+default (``use_cache=True``) train as DDP with transformers' own checkpointing (issue 43).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lightning_zero.engine.schedule.recompute import apply_activation_checkpoint
 from lightning_zero.fabric import ZeRO3Strategy as ZeRO3FabricStrategy
 from tests.block_net import BLOCKS, WIDTH, Block, BlockNet, assert_same, fabric_run, fit
 from tests.distributed import spawn
+from tests.real_models import RealModelNet
 
 STEPS, ACCUMULATE = 3, 2
 STAGES = {"zero1": ZeRO1Strategy, "zero2": ZeRO2Strategy, "zero3": ZeRO3Strategy}
@@ -111,6 +113,25 @@ def _trainer_cases(rank: int, world_size: int) -> None:
     L.seed_everything(0)
     got = fit(ZeRO3Strategy(unit_modules=[Block], activation_checkpointing_policy={Block}), LateBlockNet(), STEPS)
     assert_same(got, reference, "zero3, layers made in configure_model: against DDP with them checkpointed by hand")
+    # Hugging Face decoder layers with their models' cache default (config.use_cache=True): the cache is off in the
+    # training forwards (see [Note: key/value caches under recomputation]), else the recomputation would fill it a
+    # second time and fail in backward. Against DDP with transformers' own checkpointing, which turns it off too.
+    for name, layer in (("llama", "LlamaDecoderLayer"), ("gpt2", "GPT2Block")):
+        L.seed_everything(0)
+        reference = fit(DDPStrategy(), RealModelNet(name, checkpointing="non-reentrant"), STEPS)
+        L.seed_everything(0)
+        net = RealModelNet(name)
+        got = fit(ZeRO3Strategy(activation_checkpointing_policy={layer}), net, STEPS)
+        assert_same(got, reference, f"zero3, {name} with its cache default: against DDP with gradient checkpointing")
+        assert net.model.config.use_cache is True, name  # as it was: config.json is written as without the policy
+        x = torch.randint(0, 64, (2, 8))
+        with pytest.warns(UserWarning, match=r"use_cache=True is incompatible with activation_checkpointing_policy"):
+            out = net.model(input_ids=x, use_cache=True)  # asked for: off, with a warning, as in transformers
+        out.logits.sum().backward()
+        assert out.past_key_values is None, name
+        net.model.eval()
+        with torch.no_grad():  # nothing is recomputed: the cache stays on
+            assert net.model(input_ids=x).past_key_values is not None, name
     # Class names (YAML configs) and FSDP's policy callables select the same modules.
     names = [name for name, _ in selected_modules(BlockNet(), {"Block"})]
     assert names == ["blocks.0", "blocks.1", "blocks.2"], names

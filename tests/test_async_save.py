@@ -262,6 +262,30 @@ def test_staging_copies_every_object_as_it_is_at_the_save() -> None:
         background.stage_on_host({"a": 1, "b": [2, threading.Lock()]}, background.PinnedBuffers())
 
 
+def test_the_save_thread_makes_the_save_device_current_first() -> None:
+    """The thread runs the device setter with the save's device before anything else (see [Note: asynchronous
+    saves], the thread's device): the explicit one, else the staged tensors' device; none on a CPU."""
+    calls: list[tuple[str, Any]] = []
+
+    def use_device(device: torch.device) -> None:
+        calls.append((threading.current_thread().name, device))
+
+    saves = background.BackgroundSaves(use_device=use_device)
+    ranks = background.Ranks(0, 1, lambda obj: obj)
+
+    def save(staged: background.Staged, device: torch.device | None = None) -> list[Any]:
+        calls.clear()
+        saves.start(Path("ckpt"), lambda r: calls.append("write"), staged, ranks, device)
+        saves.wait()
+        return [c if c == "write" else (c[0] != threading.current_thread().name, c[1]) for c in calls]
+
+    assert save(background.Staged({}, []), torch.device("cuda", 3)) == [(True, torch.device("cuda", 3)), "write"]
+    assert save(background.Staged({}, [], torch.device("cuda", 1))) == [(True, torch.device("cuda", 1)), "write"]
+    if not torch.cuda.is_initialized():
+        assert save(background.Staged({}, [])) == ["write"]  # nothing to set on a CPU
+    background.use_device_in_thread(torch.device("cpu"))  # the default setter: a no-op off CUDA
+
+
 # ---------------------------------------------------------------------- Fabric
 class _Net(nn.Module):
     def __init__(self) -> None:

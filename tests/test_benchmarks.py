@@ -1,10 +1,11 @@
 """``python -m benchmarks.run`` runs end to end (tiny model, 2 steps) and our stages agree with DDP; the one-GPU
-check runs its logic on the CPU, so that it works the day a GPU is lent."""
+check and the first GPU run's script run their logic on the CPU, so that they work the day a GPU is lent."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -225,3 +226,32 @@ def test_agreement_benchmark_times_the_ring_and_the_default_at_each_world_size(t
     assert all(seconds > 0 for seconds in results["3"].values()), results
     with pytest.raises(SystemExit):
         main(["--world-sizes", "1"])  # refused before any process starts
+
+
+def test_gpu_first_run_in_cpu_mode_passes_every_device_independent_check(tmp_path: Path) -> None:
+    """``benchmarks/gpu_first_run.py --device cpu``: every variant trains like plain training (bitwise, or within
+    its documented bound), an asynchronous save holds its step, late collectives change nothing, nothing grows over
+    50 steps, and two gloo ranks of which one leaves the track both raise ``CollectiveMismatchError``; the checks
+    that need a GPU say so. Exit code 0 only when no check failed."""
+    out = tmp_path / "first_run.json"
+    command = [sys.executable, "benchmarks/gpu_first_run.py", "--device", "cpu", "--json", str(out)]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environ)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+
+    from benchmarks.first_run.training import VARIANTS
+
+    report = json.loads(out.read_text())
+    rows = {(r["check"], r["variant"]): r for r in report["rows"]}
+    assert report["failed"] == 0 and report["device"] == "cpu" and report["lightning_zero_import"] == "engine only"
+    for variant in VARIANTS:
+        assert rows[("parity", variant.name)]["status"] == "pass", rows[("parity", variant.name)]
+        assert rows[("no engine sync", variant.name)]["status"] == "skipped (cpu)"
+    assert rows[("parity", "zero3")]["detail"] == "bitwise: every loss and parameter equal"
+    assert "bounds: rel 0.01" in rows[("parity", "zero3-bf16")]["detail"]
+    for check in ("determinism", "trains", "async save", "race", "flat counts", "two ranks"):
+        assert any(k[0] == check and r["status"] == "pass" for k, r in rows.items()), check
+    assert all(int(r["detail"].split()[0]) > 0 for k, r in rows.items() if k[0] == "race")  # collectives made late
+    assert "rank 0: CollectiveMismatchError" in rows[("two ranks", "gloo")]["detail"]
+    assert rows[("offload memory", "zero3-offload")]["status"] == "skipped (cpu)"
+    assert "| parity | zero3 | pass |" in done.stdout

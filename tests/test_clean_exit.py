@@ -72,16 +72,43 @@ SCRIPT = textwrap.dedent(
 )
 
 
+# A Fabric script as LitGPT's are written: it never calls fabric.strategy.teardown(), so the run's control channel is
+# still open when the interpreter exits (closed by the exit handler of engine/comm/process_exit.py).
+FABRIC_SCRIPT = textwrap.dedent(
+    """
+    import lightning as L
+    import torch
+
+    import lightning_zero  # noqa: F401 (registers the strategies)
+
+    if __name__ == "__main__":
+        fabric = L.Fabric(strategy="zero3", accelerator="cpu", devices=2)
+        fabric.launch()
+        with fabric.init_module():
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+        model = fabric.setup(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+        for _ in range(3):
+            fabric.backward(model(torch.randn(4, 8)).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            model(torch.randn(2, 8))
+    """
+)
+
+
 def test_scripts_that_train_exit_cleanly_every_time(tmp_path: Path) -> None:
-    """Five back-to-back runs of a script, each launching its second rank through Lightning's launcher: every one
-    exits 0 without ``terminate called without an active exception`` (before, about one run in eight aborted so
-    at exit)."""
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
+    """Back-to-back runs of a Trainer script and of a Fabric script that never tears down, each launching its second
+    rank through Lightning's launcher: every one exits 0 without ``terminate called without an active exception``
+    (before, about one Trainer run in eight, and three Fabric runs of LitGPT's scripts in sixteen, aborted so at
+    exit)."""
+    (tmp_path / "train.py").write_text(SCRIPT)
+    (tmp_path / "fabric_train.py").write_text(FABRIC_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for run in range(5):
+    for run, script in enumerate(["train.py", "fabric_train.py"] * 3):
         result = subprocess.run(
-            [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
         )
         assert result.returncode == 0, (run, result.stderr[-3000:])
         assert "terminate called" not in result.stderr, (run, result.stderr[-3000:])

@@ -1,12 +1,23 @@
 """``Comm`` in a process group of one rank with ``run_alone=True``: the collectives really run (the path a
-single GPU exercises in ``benchmarks/gpu_check.py``), agreements included, and give the single-rank values."""
+single GPU exercises in ``benchmarks/gpu_check.py``), agreements included, and give the single-rank values.
+
+Device timing (see [Note: device timing] in ``engine/comm/timing.py``), with a clock that records what would be
+queued on which stream: both events of a collective on its timing stream, around its issue and its end, none on
+the compute stream; events only while statistics are kept, and only those of collectives not yet reached held.
+"""
 
 from __future__ import annotations
 
-import torch
+from contextlib import contextmanager
+from typing import Any
 
-from lightning_zero.engine import Comm
+import torch
+from torch import nn
+
+from lightning_zero.engine import Comm, CommStats, ShardedModel
 from lightning_zero.engine.comm.control import ControlChannel
+from lightning_zero.engine.comm.timing import DeviceTiming
+from lightning_zero.strategies.stats import StepStats
 from tests.distributed import spawn
 
 
@@ -80,3 +91,124 @@ def test_a_comm_of_one_rank_runs_its_collectives_when_asked() -> None:
         "deferred, again": 1,
         "deferred, silent again": 0,
     }
+
+
+class _Clock:
+    """A device clock that logs what each call would queue, and on which stream (the current one is "compute"
+    unless ``on`` says otherwise); an event is reached once ``reach`` says so."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.current = "compute"
+        self.events: list[_Event] = []
+        self.reach = True
+
+    def current_stream(self, device: torch.device) -> str:
+        return self.current
+
+    def new_stream(self, device: torch.device) -> _Stream:
+        return _Stream(self, f"timing {device}")
+
+    def new_event(self) -> _Event:
+        self.events.append(_Event(self, len(self.events)))
+        return self.events[-1]
+
+    @contextmanager
+    def on(self, stream: _Stream) -> Any:
+        before, self.current = self.current, stream.name
+        try:
+            yield
+        finally:
+            self.current = before
+
+
+class _Stream:
+    def __init__(self, clock: _Clock, name: str) -> None:
+        self.clock, self.name = clock, name
+
+    def wait_stream(self, other: str) -> None:
+        self.clock.log.append(("wait", self.name, other))
+
+
+class _Event:
+    def __init__(self, clock: _Clock, number: int) -> None:
+        self.clock, self.number, self.reached = clock, number, False
+
+    def record(self, stream: _Stream) -> None:
+        self.clock.log.append(("record", f"event {self.number}", stream.name))
+        self.reached = self.clock.reach
+
+    def query(self) -> bool:
+        return self.reached
+
+    def synchronize(self) -> None:
+        self.clock.log.append(("synchronize", f"event {self.number}"))
+        for event in self.clock.events[: self.number + 1]:  # and every event recorded before it
+            event.reached = True
+
+    def elapsed_time(self, end: _Event) -> float:
+        assert self.reached and end.reached, "elapsed_time of an event not reached"
+        return 2.0  # milliseconds
+
+
+class _Work:
+    def __init__(self, clock: _Clock) -> None:
+        self.clock = clock
+        clock.log.append(("issue", clock.current))
+
+    def block_current_stream(self) -> None:
+        self.clock.log.append(("wait for the collective", self.clock.current))
+
+
+def test_a_collective_is_timed_on_its_own_stream_from_its_start_to_its_end() -> None:
+    clock = _Clock()
+    stats = CommStats()
+    stats.time_on_device(clock)
+    device = torch.device("cuda", 1)
+    work = stats.on_device("all_gather", device, lambda: _Work(clock))
+    assert isinstance(work, _Work)
+    timing = "timing cuda:1"
+    assert clock.log == [
+        ("wait", timing, "compute"),  # no earlier than the collective's own stream may start it
+        ("record", "event 0", timing),
+        ("issue", "compute"),  # enqueued from the compute stream, as the engine issues it
+        ("wait for the collective", timing),  # the timing stream, not the compute stream, waits for its end
+        ("record", "event 1", timing),
+    ]
+    # Reached at once here: counted as soon as the next collective is issued (or now), nothing held.
+    assert stats.by_kind["all_gather"].seconds == 0.002 and not stats.device_timing.held
+
+    # One timing stream per device, made once.
+    stats.on_device("reduce_scatter", device, lambda: _Work(clock))
+    assert sum(1 for entry in clock.log if entry[0] == "wait") == 2
+    assert {entry[2] for entry in clock.log if entry[0] == "record"} == {timing}
+
+
+def test_device_timing_holds_only_what_the_device_has_not_reached() -> None:
+    clock = _Clock()
+    timing = DeviceTiming(clock)
+    seconds: list[float] = []
+    device = torch.device("cuda", 0)
+    for _ in range(100):  # each collective ends before the next is issued
+        timing.around("all_reduce", device, lambda: _Work(clock))
+        timing.resolve(lambda kind, s: seconds.append(s))
+        assert len(timing.held) == 0
+    assert len(seconds) == 100
+
+    clock.reach = False  # the device lags behind the host
+    timing.most_held = 8
+    for _ in range(20):
+        timing.around("all_reduce", device, lambda: _Work(clock))
+        timing.resolve(lambda kind, s: seconds.append(s))
+    assert len(timing.held) == 8  # past the bound, the oldest were waited for
+    assert sum(1 for entry in clock.log if entry[0] == "synchronize") == 12
+    timing.resolve(lambda kind, s: seconds.append(s), block=True)  # when the figures are read
+    assert not timing.held and len(seconds) == 120
+
+
+def test_events_are_made_only_while_statistics_are_kept() -> None:
+    assert CommStats().device_timing is None  # by default: no event on any collective
+    sharded = ShardedModel(nn.Linear(4, 4), stage=2, comm=Comm())
+    assert all(comm.stats.device_timing is None for comm in sharded.comms().values())
+    StepStats().start(sharded)  # log_stats=True
+    assert all(comm.stats.device_timing is not None for comm in sharded.comms().values())

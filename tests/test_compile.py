@@ -208,7 +208,39 @@ def _compare(rank: int, world_size: int, styles: list[str]) -> dict[str, dict[st
     expected = r"stage-3 hook.*unit_modules" if with_reason else "disable"
     with pytest.raises(torch._dynamo.exc.Unsupported, match=expected):
         _train(ZeRO3Strategy(unit_modules=[nn.Linear]), "blocks", in_configure_model=False)
+    _fabric_compiled_before_setup(rank)
     return report
+
+
+def _fabric_compiled_before_setup(rank: int) -> None:
+    """A model compiled before ``fabric.setup``, as LitGPT's ``pretrain.py`` does: Fabric compiles again around
+    what the strategy returns; only the model is traced, the step bracket runs eagerly (a traced bracket failed
+    inside Dynamo). Built in ``init_module`` (stage 3: on meta) and for real (``meta_init=False``): DDP's losses."""
+    from lightning_zero.fabric import ZeRO3Strategy as FabricZeRO3
+
+    runs = {"ddp": lambda: "ddp", "zero3": FabricZeRO3, "zero3 meta_init=False": lambda: FabricZeRO3(meta_init=False)}
+    losses = {}
+    for name, make in runs.items():
+        torch._dynamo.reset()
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=make())
+        fabric.launch()
+        torch.manual_seed(0)
+        with fabric.init_module():
+            model = nn.Sequential(nn.Embedding(VOCAB, DIM), Block(), Block(), nn.Linear(DIM, VOCAB))
+        model = fabric.setup(torch.compile(model, backend=BACKEND))
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        tokens = torch.randint(0, VOCAB, (STEPS, 4, 8), generator=torch.Generator().manual_seed(rank))
+        losses[name] = []
+        for batch in tokens:
+            loss = nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.item())
+        assert counters["stats"]["unique_graphs"] > 0, f"{name}: nothing was compiled"
+        if name != "ddp":
+            fabric.strategy.teardown()
+    assert losses["zero3"] == losses["ddp"] == losses["zero3 meta_init=False"], losses
 
 
 def test_compiled_modules_match_ddp() -> None:

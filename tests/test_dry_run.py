@@ -72,6 +72,7 @@ def test_dry_run_follows_the_theory_at_2_8_and_64_ranks() -> None:
     # Below 3Ψ by what is not gathered twice (the root unit, the last block of the forward: much of this small model).
     assert 0.8 <= report["bytes_sent_total"] / report["theory_bytes_sent_per_step"] <= 1.0, report
     assert abs(report["estimate"]["device_total"] - report["model_state_total"]) <= 0.05 * report["model_state_total"]
+    assert abs(report["estimate"]["comm_bytes"] - report["bytes_sent_total"]) <= 0.01 * report["bytes_sent_total"]
     # activation_checkpointing_policy={Block}: the same model state and traffic, a lower peak in the step (the blocks
     # keep only their inputs for backward; how much lower varies by some percent from run to run: see docs/memory.md).
     for case, report in zip(recomputed, reports[len(cases) :]):
@@ -111,6 +112,9 @@ def test_dry_run_follows_the_theory_at_2_8_and_64_ranks() -> None:
         assert abs(reductions - ring) <= 0.02 * ring, (case, reductions, ring)
         low, high = (ring * 0.98, ring * 1.02) if stage < 3 else (ring * 1.0, ring * 2.02)
         assert low <= gathers <= high, (case, gathers, ring)
+        # The estimator's bytes, from the same units: stage 3's root unit and the unit that ends the forward gathered
+        # once, the others twice; what remains is the reductions' flag slots (one element per rank's chunk).
+        assert abs(report["estimate"]["comm_bytes"] - report["bytes_sent_total"]) <= 0.01 * report["bytes_sent_total"]
         if shard != world:  # each gradient shard all-reduced across the replicas
             assert sent["replicate"]["all_reduce"] > 0
         assert report["peak_rss_bytes"] > 0 and report["wall_seconds"] > 0

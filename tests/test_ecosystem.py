@@ -41,6 +41,9 @@ def test_unknown_option_lists_the_valid_ones() -> None:
         lightning_zero.ZeRO3Strategy(chekpoint_format="full")
     with pytest.raises(TypeError, match="Valid options: unit_modules, broadcast_buffers"):
         lightning_zero.ZeRO1Strategy(stage=3)
+    # A script written for FSDPStrategy (LitGPT's) is told what says the same here.
+    with pytest.raises(TypeError, match=r"'state_dict_type' \(FSDPStrategy's; here: checkpoint_format='full' or"):
+        lightning_zero.fabric.ZeRO3Strategy(state_dict_type="full")
 
 
 class MetricNet(ParityNet):

@@ -117,7 +117,11 @@ def test_every_stage_at_eight_ranks_trains_as_ddp_and_state_shrinks_as_one_over_
         # Every rank holds 1/N of the parameters and of the gradients (a flat shard per unit, padding included) ...
         for stats in ranks:
             assert abs(stats["params"] - 4 * numel / world) <= padding, (world, stats["params"], 4 * numel / world)
-        assert abs(total["params"] - 4 * numel) <= padding and abs(total["grads"] - 4 * numel) <= padding, total
+        # (a gradient shard lives in its reduction's chunk, with the slot and the 16-byte alignment: under 16 bytes
+        # more per unit and rank, see [Note: aligned chunks] in core/layout.py)
+        chunk_extra = 16 * 4 * world
+        assert abs(total["params"] - 4 * numel) <= padding, total
+        assert abs(total["grads"] - 4 * numel) <= padding + chunk_extra, total
         # ... and together the ranks hold the optimizer state exactly once (SGD with momentum: one value per
         # trainable element; a rank whose shard holds only frozen elements holds none).
         assert total["optimizer_states"] == 4 * trainable, (world, total)

@@ -23,6 +23,7 @@ from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
 from lightning_zero.engine.core.placeholder import ShardedParameterReadError
 from lightning_zero.engine.core.unit import ShardedParameterWriteError
 from lightning_zero.engine.schedule.grads import ShardedGradientError
+from lightning_zero.engine.schedule.reduce import reduce_numel, reduce_width
 from tests.distributed import spawn
 
 
@@ -114,10 +115,64 @@ def test_engine_matches_ddp_bitwise_on_two_ranks() -> None:
     spawn(_parity, world_size=2)
 
 
+class SometimesNet(nn.Module):
+    """``extra`` runs only where ``use`` is set: per rank and per micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra, self.b = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.use = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h + self.extra(h) if self.use else h)
+
+
+def _used_on_some_ranks_across_micro_batches(rank: int, stage: int, check_finite: bool) -> None:
+    """A layer used on some ranks (under stage 3: on all or none), or none, in each micro-batch: its sharded gradient
+    exists at the step exactly where DDP's (``find_unused_parameters=True``) does, although backward attached every
+    shard unread (see [Note: flags read at the step] in grads.py). SGD with momentum: a gradient of zeros where DDP
+    has none moves the parameter."""
+    torch.manual_seed(0)
+    reference = SometimesNet()
+    model = copy.deepcopy(reference)
+    ddp = DistributedDataParallel(reference, find_unused_parameters=True)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=owns_parameters)
+    sharded.reducer.check_finite = check_finite
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sharded.bind_optimizer(opt)
+    data = torch.Generator().manual_seed(rank)
+    # Each set: the ranks that use ``extra`` in that backward pass.
+    script = ["zero", {0}, set(), "step", "zero", set(), set(), "step", "zero", {1}, "step"]
+    script += ["zero", set(), {0, 1}, "step", set(), "step", "zero", {1}, {0}, "step"]
+    for action in script:
+        if action == "zero":
+            ref_opt.zero_grad()
+            opt.zero_grad()
+        elif action == "step":
+            ref_opt.step()
+            opt.step()
+            sharded.after_optimizer_step(opt)
+        else:
+            x = torch.randn(4, 6, generator=data)
+            # Stage 3 gathers a unit where it runs: every rank must run the same modules.
+            reference.use = model.use = rank in action if stage < 3 else bool(action)
+            ddp(x).square().mean().backward()
+            with sharded.step_context():
+                model(x).square().mean().backward()
+    state = model.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-7, msg=f"{stage} {check_finite} {key}")
+    sharded.release()
+
+
 def _zero_grad_semantics(rank: int, world_size: int) -> None:
     """The user's optimizer holds the module's parameters, so ``zero_grad`` only sees markers (grads.py): every
     order of backward, ``zero_grad`` (both kinds) and ``step`` must still mean what it means under DDP."""
     for stage in (1, 2, 3):
+        for check_finite in (False, True):
+            _used_on_some_ranks_across_micro_batches(rank, stage, check_finite)
         torch.manual_seed(0)
         reference = TiedNet()
         model = copy.deepcopy(reference)
@@ -199,9 +254,14 @@ def _reads_while_the_post_step_gather_travels(rank: int, world_size: int) -> Non
         for step in range(5):
             x, y = torch.randint(0, 11, (4, 5), generator=data), torch.randint(0, 11, (4, 5), generator=data)
             ref_loss = _ddp_step(ddp, ref_opt, x, y)
+            before = {u.name for u in sharded.units if u.arriving}  # (a read below waits for its unit's)
             with sharded.step_context():
-                assert not any(u.arriving for u in sharded.units), (stage, step)  # begin_step waited
+                # From the second step on, begin_step leaves every unit's gather to its own forward (see [Note: each
+                # unit waits for its own gather] in arrivals.py): each forward here ran eagerly.
+                left = {u.name for u in sharded.units if u.arriving}
+                assert left == before and (step != 4 or {"up", "down"} <= left), (stage, step, left)
                 loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                assert not any(u.arriving for u in sharded.units), (stage, step)  # each waited for in its forward
                 opt.zero_grad()
                 loss.backward()
             opt.step()
@@ -279,7 +339,9 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     assert stats.calls("reduce_scatter") == len(units), stage
     assert stats.calls("all_reduce") == 1  # the first backward settles the reduce order (tiny)
     ring = (world_size - 1) / world_size
-    slots = world_size * len(units)  # one unused-parameter slot per rank's chunk (see grads.py)
+    # One unused-parameter slot per rank's chunk (see grads.py), and zeros that align each chunk to 16 bytes.
+    slots = sum(reduce_numel(u) for u in units) - padded
+    assert world_size * len(units) <= slots <= 4 * world_size * len(units)  # (at most 3 fp32 elements of padding)
     assert stats.by_kind["reduce_scatter"].bytes_sent == (padded + slots) * 4 * ring
     assert stats.by_kind["all_gather"].bytes_sent == (2 if stage == 3 else 1) * padded * 4 * ring
     sent = stats.by_kind["reduce_scatter"].bytes_sent - slots * 4 * ring + stats.by_kind["all_gather"].bytes_sent
@@ -291,7 +353,8 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     shard_numel = sum(u.layout.shard_numel for u in units)
     assert mem["params"] == (padded if stage < 3 else shard_numel) * 4
     assert mem["gathered_params"] == 0
-    assert mem["grads"] == (shard_numel + len(units)) * 4  # each shard is a view of its reduction's output (+1 slot)
+    # Each shard is a view of its reduction's output: its chunk, with the slot and the alignment padding.
+    assert mem["grads"] == sum(reduce_width(u.layout, u.reduce_dtype) for u in units) * 4
     assert mem["optimizer_states"] == 2 * 4 * sum(p.numel() for p in sharded.shard_params_of(opt))
     expected = theory_bytes(stage, numel, world_size)
     assert expected.params <= mem["params"] <= expected.params + 4 * world_size * len(units)

@@ -130,9 +130,9 @@ def _load_at_one_rank(rank: int, world_size: int, root: str) -> dict[str, Any]:
         rest = fabric.load(f"{root}/{source}", state)
         if source.endswith("_full"):  # Fabric's own file (the user's keys), as Fabric's DDP writes it
             expected = torch.load(f"{root}/{source}", weights_only=True)
-            expected = {"state_dict": expected["model"], "optimizer_states": [expected["optimizer"]]}
-        else:
+        else:  # consolidated into the same layout
             expected = lightning_zero.consolidate_checkpoint(f"{root}/{source}")
+        expected = {"state_dict": expected["model"], "optimizer_states": [expected["optimizer"]]}
         model_sd = state["model"].state_dict()
         optimizer_sd = state["optimizer"].state_dict()
         out[source] = {

@@ -7,9 +7,11 @@ import torch
 
 import lightning_zero.engine.core.layout as layout_module
 import lightning_zero.engine.core.memory as memory_module
+import lightning_zero.engine.schedule.reduce as reduce_module
 from lightning_zero.engine.core.grouping import module_class_policy, owns_parameters, plan_units
 from lightning_zero.engine.core.layout import ShardLayout
 from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
+from lightning_zero.engine.schedule.reduce import _reduce_plan, reduce_width
 
 SHAPES = [torch.Size([3, 5]), torch.Size([7]), torch.Size([]), torch.Size([2, 2, 2]), torch.Size([0]), torch.Size([1])]
 
@@ -45,8 +47,33 @@ def test_layout_rejects_bad_world_size_and_rank() -> None:
 
 
 def test_doctests() -> None:
-    for module in (layout_module, memory_module):
+    for module in (layout_module, memory_module, reduce_module):
         assert doctest.testmod(module).failed == 0
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8])
+def test_every_reduction_chunk_starts_16_byte_aligned(world_size: int, dtype: torch.dtype) -> None:
+    """A reduction's buffer is one chunk per rank, ``reduce_width`` elements each (the rank's range of the layout,
+    its slot, zeros): every chunk starts on a 16-byte boundary, the padding is less than 16 bytes, and every
+    element of the layout still lands in exactly one place of its rank's range, never in the slot or the padding
+    (see [Note: aligned chunks] in ``core/layout.py``). At 8 ranks, chunks of ``shard_numel + 1`` elements were
+    aligned only for one layout size in four (fp32)."""
+    for shapes in (SHAPES, [torch.Size([1])], [torch.Size([4095]), torch.Size([3])], [torch.Size([7, 9])]):
+        layout = ShardLayout.from_shapes(shapes, world_size)
+        width = reduce_width(layout, dtype)
+        itemsize = dtype.itemsize
+        assert all(rank * width * itemsize % 16 == 0 for rank in range(world_size)), (shapes, width)
+        assert layout.shard_numel + 1 <= width and (width - layout.shard_numel - 1) * itemsize < 16
+        seen = torch.zeros(world_size, width, dtype=torch.int64)
+        for places in _reduce_plan(layout):
+            for _start, row, column, count, rows in places:
+                if rows:
+                    seen[row : row + rows, :count] += 1
+                else:
+                    seen[row, column : column + count] += 1
+        assert int(seen[:, : layout.shard_numel].min()) == int(seen.max()) == 1  # the ranges, each element once
+        assert int(seen[:, layout.shard_numel :].sum()) == 0  # nothing in the slots or the padding
 
 
 def test_theory_reproduces_the_classic_figures() -> None:

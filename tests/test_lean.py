@@ -254,7 +254,112 @@ class HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _host_reads(rank: int, world_size: int) -> dict[str, list[int]]:
+class EngineHostReads(TorchDispatchMode):
+    """The host reads (as ``HostReads`` counts them) that this library's code makes, each named by the nearest
+    frame of ``lightning_zero`` past the helper that waits for the device (``device_wait.py``): Lightning's and the
+    test's own reads are not the engine's. Reads in ``control.py`` are left out: its agreement rows live in host
+    memory (a CPU gloo group) on every machine, never on a device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: list[str] = []
+
+    def _record(self) -> None:
+        frame = sys._getframe(2)
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if f"{os.sep}lightning_zero{os.sep}" in path and not path.endswith("device_wait.py"):
+                if not path.endswith("control.py"):
+                    self.where.append(f"{os.path.basename(path)}:{frame.f_code.co_name}")
+                return
+            frame = frame.f_back
+
+    def __enter__(self) -> EngineHostReads:
+        tolist = self._tolist = torch.Tensor.tolist
+
+        def recorded(tensor: torch.Tensor) -> Any:
+            self._record()
+            return tolist(tensor)
+
+        torch.Tensor.tolist = recorded  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self._record()
+        return func(*args, **(kwargs or {}))
+
+
+class HostReadsPerBatch(Callback):
+    """The engine's host reads (``EngineHostReads``) in each training batch from the third on: those inside the
+    backward pass, and the others (the optimizer step's, for the batch that ends an accumulation)."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[list[str], list[str]]] = []
+        self._mode: EngineHostReads | None = None
+        self._backward: list[str] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, index: int) -> None:
+        if index >= 2:
+            self._mode = EngineHostReads().__enter__()
+            self._backward = []
+
+    def on_before_backward(self, *_: Any) -> None:
+        if self._mode is not None:
+            self._mark = len(self._mode.where)
+
+    def on_after_backward(self, *_: Any) -> None:
+        if self._mode is not None:
+            self._backward += self._mode.where[self._mark :]
+            del self._mode.where[self._mark :]
+
+    def on_train_batch_end(self, *_: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.batches.append((self._backward, self._mode.where))
+            self._mode = None
+
+
+class BlockNet(L.LightningModule):
+    """Six blocks (a unit each under every stage: ``unit_modules``), SGD with momentum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(Block() for _ in range(BLOCKS)))
+
+    def training_step(self, batch: Any, _index: int) -> torch.Tensor:
+        return self.blocks(batch[0]).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(64, WIDTH, generator=torch.Generator().manual_seed(0))), 4)
+
+
+def _trainer_host_reads() -> dict[str, list[tuple[list[str], list[str]]]]:
+    """Through a real Trainer, ``accumulate_grad_batches=2``: the engine's host reads in each steady batch."""
+    found = {}
+    for name, strategy in (("zero1", ZeRO1Strategy), ("zero2", ZeRO2Strategy), ("zero3", ZeRO3Strategy)):
+        probe = HostReadsPerBatch()
+        L.seed_everything(0)
+        trainer = quiet_trainer(
+            strategy=strategy(unit_modules=[Block]),
+            devices=2,
+            max_steps=4,
+            accumulate_grad_batches=2,
+            callbacks=[probe],
+        )
+        trainer.fit(BlockNet())
+        found[name] = probe.batches
+    return found
+
+
+def _host_reads(rank: int, world_size: int) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     found = {}
     for kind, check_finite in (("lora", True), ("lora", False)):
         for stage in (1, 2, 3):
@@ -268,23 +373,26 @@ def _host_reads(rank: int, world_size: int) -> dict[str, list[int]]:
             sharded.bind_optimizer(opt)
             per_step = []
             for step in range(STEPS):
-                # Forward, backward, the check for inf/NaN that the strategies run (known from the reduction, or
-                # one all-reduce after gradient accumulation: the last step has two micro-batches), optimizer step,
-                # parameters spread again.
-                micro_batches = 2 if step == STEPS - 1 else 1
+                # Forward and backward (two micro-batches from the second step on: gradient accumulation), then the
+                # check for inf/NaN that the strategies run (known from the flags), optimizer step, parameters spread
+                # again. The flags of every backward pass are read once, at the step (see [Note: flags read at the
+                # step] in grads.py).
+                micro_batches = 2 if step else 1
+                backward = []
+                for micro in range(micro_batches):
+                    with HostReads() as counter, sharded.step_context():
+                        model(_data(rank, 10 * step + micro)).square().mean().backward()
+                    backward.append(counter.reads)
                 with HostReads() as counter:
-                    for micro in range(micro_batches):
-                        with sharded.step_context():
-                            model(_data(rank, 10 * step + micro)).square().mean().backward()
                     if check_finite:
                         assert sharded.nonfinite_grads(opt) == ([], [])
                     opt.step()
                     sharded.after_optimizer_step(opt)
                     opt.zero_grad()
-                per_step.append(counter.reads - micro_batches)  # beyond one per backward pass
+                per_step.append((backward, counter.reads))
             found[f"{kind} stage {stage}{' checking inf/NaN' if check_finite else ''}"] = per_step
             sharded.release()
-    return found, _slots_catch_nonfinite(rank)
+    return found, _slots_catch_nonfinite(rank), _trainer_host_reads()
 
 
 def _slots_catch_nonfinite(rank: int) -> dict[str, Any]:
@@ -302,8 +410,10 @@ def _slots_catch_nonfinite(rank: int) -> dict[str, Any]:
     for case, scale in (("first", 1.0), ("nan on rank 1", float("nan") if rank == 1 else 1.0), ("overflow", overflow)):
         opt.zero_grad()
         try:
-            with HostReads() as counter, sharded.step_context():
-                (net.weight * scale).sum().backward()
+            with HostReads() as counter:
+                with sharded.step_context():
+                    (net.weight * scale).sum().backward()
+                sharded.settle_grads()
             seen[case] = ([u.grads_finite for u in sharded.units], counter.reads, sharded.nonfinite_grads(opt)[0])
         except Exception as error:  # what each rank sees
             seen[case] = f"{type(error).__name__}: {error}"
@@ -312,13 +422,24 @@ def _slots_catch_nonfinite(rank: int) -> dict[str, Any]:
 
 
 def test_at_most_one_host_read_per_step() -> None:
-    for found, slots in spawn(_host_reads, world_size=2):
+    for found, slots, trainer in spawn(_host_reads, world_size=2):
         # A NaN on one rank: every rank knows (grads_finite False) from one read, and the check names rank 1.
         assert slots["nan on rank 1"] == ([False], 2, [0, 1]), slots  # the slots' read, then the exact path's (shards)
         assert "FloatingPointError" in slots["overflow"] and "overflowed on this rank" in slots["overflow"], slots
         for where, per_step in found.items():
-            # One per backward pass; after gradient accumulation one more, for the inf/NaN check.
-            assert per_step[:-1] == [0] * (STEPS - 1) and per_step[-1] <= 1, (where, per_step)
+            # The first backward pass settles the reduce order (one read there, none at its step); from then on no
+            # backward pass reads anything, and each optimizer step reads the flags of its micro-batches once,
+            # whether or not it checks for inf/NaN (an accumulated gradient's sum rides in the same read).
+            assert per_step[0] == ([1], 0), (where, per_step)
+            assert per_step[1:] == [([0, 0], 1)] * (STEPS - 1), (where, per_step)
+        # Through the Trainer, under every stage: nothing read inside any micro-batch's backward pass, nothing in
+        # a micro-batch that does not step, and one read per optimizer step, of its micro-batches' flags (the
+        # default nonfinite_grads="raise" decides from it).
+        for name, batches in trainer.items():
+            assert len(batches) == 6, (name, batches)
+            for index, (backward, rest) in enumerate(batches, start=2):
+                assert backward == [], (name, index, backward)
+                assert rest == (["grads.py:settle"] if index % 2 else []), (name, index, rest)
 
 
 # ---------------------------------------------------------------------------------- the placeholders' cost

@@ -9,6 +9,7 @@ off it, or a rank that failed) get a pair each, which exits without a final barr
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
@@ -145,6 +147,14 @@ class ReadOnRank0Only(L.Callback):
             float(pl_module.up.weight.detach().sum())
 
 
+class ReadOnRank0AtTrainEnd(L.Callback):
+    """The same read in ``on_train_end``, once the training loop has ended, while rank 1 goes on to the teardown."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero:
+            float(pl_module.up.weight.detach().sum())
+
+
 class SigtermOnRank1(L.Callback):
     """Rank 1 receives a real SIGTERM (handled by the handlers Lightning registered) after step 2."""
 
@@ -231,6 +241,10 @@ def _agreements(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         results[f"{stage}: SIGTERM on rank 1"] = _outcome(trainer, ParityNet(optimizer="sgd"))
     trainer = quiet_trainer(strategy=_strategy("zero3"), devices=world_size, max_steps=4, callbacks=[ReadOnRank0Only()])
     results["zero3: parameter read on rank 0 only"] = _outcome(trainer, ParityNet(optimizer="sgd"))
+    trainer = quiet_trainer(
+        strategy=_strategy("zero3"), devices=world_size, max_steps=2, callbacks=[ReadOnRank0AtTrainEnd()]
+    )
+    results["zero3: parameter read on rank 0 only, in on_train_end"] = _outcome(trainer, ParityNet(optimizer="sgd"))
     return results
 
 
@@ -259,7 +273,13 @@ def test_ranks_that_disagree_on_steps_saves_or_trainable_sets_fail_fast_or_train
             assert outcome["type"] == "CollectiveMismatchError", (case, rank, outcome)
             assert "rank 0:" in outcome["message"] and "rank 1:" in outcome["message"], (case, outcome)
         message = outcomes[0]["message"]
-        if "frozen" in case:
+        if "on_train_end" in case:  # after the last step: named by the hook, not as a collective of that step
+            assert "(a read of up.weight outside its forward)" in message, message
+            assert "elements, in on_train_end, after the training loop)" in message, message
+            assert "of training step" not in message, message
+            assert "rank 1: teardown at the end of trainer.fit()" in message, message
+            assert "This collective was issued in on_train_end" in message and "batches" not in message, message
+        elif "frozen" in case:
             assert "setup with" in message and "frozen: 'up." in message and "requires_grad" in message, message
         elif "read" in case:  # the read is a gather that rank 1 never joins: named, and where rank 1 was
             assert "(a read of up.weight outside its forward)" in message and "rank 1: start training step 3" in message
@@ -441,3 +461,86 @@ def test_gathered_agreements_at_three_ranks_agree_pipeline_and_fail_fast() -> No
     assert len({str(o["issued"]) for o in outcomes}) == 1, [o["issued"] for o in outcomes]
     assert all(o["zero2: direct on rank 0"]["type"] is not None for o in outcomes), outcomes
     assert any(o["zero2: direct on rank 0"]["type"] == "CollectiveMismatchError" for o in outcomes[1:]), outcomes
+
+
+# ------------------------------------------------------------------ waits for the device (see device_wait.py)
+
+
+class NotReadyFor:
+    """A fake CUDA event: ``query()`` says "not ready" for its first ``polls`` calls (forever with ``None``, up to a
+    bound that fails the test instead of hanging it); each call records what rank 0 has published."""
+
+    def __init__(self, store: Any, polls: int | None) -> None:
+        self.store, self.polls, self.calls = store, polls, 0
+        self.published: list[dict[str, Any]] = []
+
+    def query(self) -> bool:
+        self.calls += 1
+        assert self.calls < 5000, "the wait for the device neither completed nor raised"
+        self.published.append(json.loads(self.store.get("state/0")))
+        return self.polls is not None and self.calls > self.polls
+
+    def synchronize(self) -> None:
+        raise AssertionError("a wait for the device must poll, not block in synchronize()")
+
+
+def _state(status: str, token: int, group: str = "", index: int = -1, issued: Any = None, what: str = "") -> bytes:
+    """A rank's state as the control channel publishes it (``control._State``)."""
+    fields = {"status": status, "token": token, "group": group, "index": index, "issued": issued, "what": what}
+    return json.dumps(fields).encode()
+
+
+def test_a_wait_for_the_device_is_reported_like_a_blocked_collective_and_raises_on_a_verdict() -> None:
+    """Rank 0 of two, in-process: the other rank is a state written into the store by hand."""
+    from lightning_zero.engine.comm.control import ControlChannel
+    from lightning_zero.engine.comm.device_wait import wait_for_device
+    from lightning_zero.engine.comm.sequence import CollectiveSequence
+    from lightning_zero.engine.comm.stats import CommStats
+
+    def pause(_seconds: float) -> None:
+        time.sleep(0.01)  # ten milliseconds per poll, whatever the back-off asks for
+
+    cases = {
+        # Rank 1 is running: the wait is published, then completes, and this rank is running again.
+        "completes": (_state("running", 1), 30),
+        # Rank 1 found a mismatch (its monitor, or its own wait): the same error here, not a wait forever.
+        "mismatch": (_state("mismatch", 1, what="the ranks are about to do different things"), None),
+        # Rank 1 waits in an agreement this rank never joins, and this rank waits behind a collective rank 1 never
+        # issued: a deadlock, seen the same on two reads in a row.
+        "deadlock": (_state("waiting", 1, "side", 5, {"main": 1, "side": 6}, "agreeing on: step 9"), None),
+    }
+    for case, (other, polls) in cases.items():
+        store = dist.HashStore()
+        channel = ControlChannel(None, store, rank=0, world_size=2, poll_seconds=0.05)  # type: ignore[arg-type]
+        try:
+            store.set("state/1", other)
+            channel.issued.update(main=3, side=5)  # collectives 0, 1, 2 of the main group issued here
+            sequence = CollectiveSequence("auto", channel, 2, CommStats(), waits_block_host=False)
+            event = NotReadyFor(store, polls)
+            wait_for_device(sequence, None, "nothing queued")  # no event (a CPU): immediate
+            start = time.monotonic()
+            try:
+                wait_for_device(sequence, event, "reading the gradients' flags", sleep=pause)
+                outcome = None
+            except CollectiveMismatchError as error:
+                outcome = str(error)
+            seconds = time.monotonic() - start
+            waiting = [s for s in event.published if s["status"] == "waiting"]
+            assert waiting, (case, event.published)
+            assert waiting[0]["group"] == "main" and waiting[0]["index"] == 2, (case, waiting[0])
+            text = "waiting for the device after collective #3 of the main group (reading the gradients' flags)"
+            assert waiting[0]["what"] == text, (case, waiting[0])
+            assert event.published[0]["status"] == "running", (case, event.published[0])  # the first poll: silent
+            if case == "completes":
+                assert outcome is None and event.calls == 31 and not sequence.broken, (case, outcome)
+                assert json.loads(store.get("state/0"))["status"] == "running", case
+                continue
+            assert outcome is not None and sequence.broken and seconds < 10, (case, outcome, seconds)
+            if case == "mismatch":
+                assert outcome == "the ranks are about to do different things", outcome
+            else:
+                assert "a deadlock" in outcome and f"rank 0: {text}" in outcome, outcome
+                assert "rank 1: agreeing on: step 9" in outcome, outcome
+                assert json.loads(store.get("state/0"))["status"] == "mismatch", case  # told to rank 1
+        finally:
+            channel.close(destroy_group=False)

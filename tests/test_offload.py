@@ -12,6 +12,13 @@
 - Stages 1 and 2 refuse ``offload_params`` at construction, saying why and what to use instead.
 - A checkpoint saved with offload resumes without it, and the reverse (a full file both ways, a sharded
   directory one way), to the losses and parameters of the uninterrupted run.
+- A reduction whose shard leaves the reduce-scatter output (copied to the host under ``offload_optimizer`` on
+  CUDA, cast to another master dtype anywhere) lets go of that output at ``wait()``: its unused-parameter slot is a
+  one-element tensor of its own (see [Note: the slot outlives out] in ``engine/schedule/reduce.py``).
+- Pinned host memory is registered at its exact size, once per buffer, and unregistered when the buffer dies; the
+  per-step host gradients reuse a buffer once nothing holds it; nothing in the package pins through torch's caching
+  host allocator (see [Note: exact pinned memory] in ``engine/core/pinned.py``). CUDA's registration is replaced by
+  a recording one: a CPU cannot pin.
 
 On a CPU build "host" and "device" are the same memory: these tests prove the results and where each
 tensor is meant to live (see [Note: parameter offload] in ``engine/core/unit.py``), not a saving.
@@ -19,6 +26,9 @@ tensor is meant to live (see [Note: parameter offload] in ``engine/core/unit.py`
 
 from __future__ import annotations
 
+import gc
+import re
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -34,7 +44,9 @@ from torch import nn
 import lightning_zero.fabric as zero_fabric
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import Comm, ShardedModel
+from lightning_zero.engine.core.pinned import HostRegistration, PinnedPool, pinned_copy, pinned_empty
 from lightning_zero.engine.core.unit import ShardedUnit
+from lightning_zero.engine.schedule.reduce import reduce_grads
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
@@ -270,3 +282,99 @@ def test_host_shards_are_copied_in_without_blocking(device: str, monkeypatch: py
     if device == "cuda":
         # Every gather (forward and backward of each step) copied a pinned host shard without blocking.
         assert copies and all(copies), copies
+
+
+# ---------------------------------------------------------------------- what a reduction keeps alive
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_reduction_lets_go_of_its_output_once_the_shard_has_left_it(dtype: torch.dtype) -> None:
+    """bf16 parameters reduce in fp32 and cast the shard back, a new tensor, as a copy to the host does under
+    offload: the fp32 output must then be freed at ``wait()``, not held by the slot to the end of backward. In
+    fp32 the shard is a view of the output, and so is the slot (no copy)."""
+    layer = nn.Linear(6, 5).to(dtype)
+    unit = ShardedUnit("layer", layer, [layer.weight, layer.bias], ["weight", "bias"], Comm(), False)
+    for param in unit.params:
+        param.grad = torch.ones_like(param)
+    reduced = reduce_grads(unit, async_op=True)
+    output = weakref.ref(reduced.unused_anywhere.untyped_storage())  # the reduce-scatter output's storage
+    shard = reduced.wait()
+    gc.collect()
+    slot = reduced.unused_anywhere
+    assert slot.tolist() == [0.0]  # every parameter had a gradient
+    if dtype == torch.bfloat16:
+        assert output() is None, "the slot keeps the whole reduce-scatter output alive"
+        assert slot.untyped_storage().nbytes() == slot.element_size()
+    else:
+        assert output() is not None and slot.untyped_storage().data_ptr() == shard.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------------- pinned memory
+class _Registry:
+    """A ``HostRegistration`` that records what it is asked to pin and unpin."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+
+    def register(self, pointer: int, nbytes: int) -> None:
+        assert pointer not in self.registered, "registered twice"
+        self.registered[pointer] = nbytes
+
+    def unregister(self, pointer: int) -> None:
+        self.unregistered.append(pointer)
+
+    @property
+    def host(self) -> HostRegistration:
+        return HostRegistration(self.register, self.unregister)
+
+
+def test_pinned_buffers_register_their_exact_size_until_they_die() -> None:
+    registry = _Registry()
+    buffer = pinned_empty((3, 5), torch.float32, registry.host)  # 60 bytes: the caching allocator would pin 64
+    assert registry.registered == {buffer.data_ptr(): 60}
+    copy = pinned_copy(torch.arange(7, dtype=torch.float64), torch.bfloat16, registry.host)
+    assert registry.registered[copy.data_ptr()] == 14 and copy.tolist() == list(range(7))
+    assert pinned_empty((0, 4), torch.float32, registry.host).numel() == 0 and len(registry.registered) == 2
+    pointer, view = buffer.data_ptr(), buffer[1:]
+    del buffer
+    gc.collect()
+    assert registry.unregistered == []  # a view still uses the memory
+    del view
+    gc.collect()
+    assert registry.unregistered == [pointer]
+
+
+def test_host_gradients_reuse_a_buffer_once_nothing_holds_it() -> None:
+    registry = _Registry()
+    pool = PinnedPool(keep=2, host=registry.host)
+    first = pool.take((10,), torch.float32)
+    grads = first.split_with_sizes([4, 6])  # what the sharded gradients are
+    pointer = first.data_ptr()
+    del first
+    second = pool.take((10,), torch.float32)  # the gradients still hold the first buffer
+    assert second.data_ptr() != pointer
+    del second
+    assert pool.take((10,), torch.float32).data_ptr() != pointer  # the second, idle again
+    del grads
+    gc.collect()
+    assert pool.take((10,), torch.float32).data_ptr() == pointer
+    assert len(registry.registered) == 2 and pool.nbytes == 80  # registered once each, at their size
+    held = [pool.take((10,), torch.float32) for _ in range(3)]  # more in use than kept: the third is not kept
+    assert len(registry.registered) == 3 and pool.nbytes == 80
+    del held
+    gc.collect()
+    assert len(registry.unregistered) == 1  # the one the pool did not keep
+
+
+def test_nothing_pins_through_the_caching_host_allocator() -> None:
+    package = Path(__file__).resolve().parents[1] / "lightning_zero"
+    pattern = re.compile(r"pin_memory\s*=|\.pin_memory\(")
+    found = [
+        f"{path.relative_to(package)}:{number}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "pinned.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, "pinned memory through torch's caching host allocator (use engine/core/pinned.py):\n" + "\n".join(
+        found
+    )

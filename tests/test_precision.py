@@ -27,6 +27,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
+from lightning_zero.engine.core.scaler import ShardedGradScaler
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
@@ -104,11 +105,25 @@ def _fp16(rank: int, world_size: int) -> None:
 
     ddp = _train(DDPStrategy(), None, OverflowNet, plugins=[MixedPrecision("16-mixed", "cpu", scaler())])
     assert ddp["scale"] == 2.0**9, "the reference should have skipped exactly one step"
+    # The loss scale is a device value: the plugin reads it only for the warning of a skipped step.
+    original, reads = ShardedGradScaler.get_scale, []
+
+    def get_scale(self: ShardedGradScaler) -> float:
+        reads.append(self)
+        return original(self)
+
     for stage in STAGES:
         plugin = ZeROPrecision("16-mixed", "cpu", scaler())
-        got = _train(stage(param_dtype=torch.float32), None, OverflowNet, plugins=[plugin])
+        ShardedGradScaler.get_scale = get_scale  # type: ignore[method-assign]
+        try:
+            got = _train(stage(param_dtype=torch.float32), None, OverflowNet, plugins=[plugin])
+        finally:
+            ShardedGradScaler.get_scale = original  # type: ignore[method-assign]
         _assert_equal(got, ddp, f"{stage.__name__} 16-mixed fp32 params")
         assert (got["scale"], got["skipped"]) == (2.0**9, 1)
+        # Two for the skipped step's warning (the scale before and after), one by _train: none on the other steps.
+        assert len(reads) == 3, f"{stage.__name__}: {len(reads)} reads of the scale"
+        reads.clear()
         plugin = ZeROPrecision("16-mixed", "cpu", scaler())
         got = _train(stage(), None, OverflowNet, plugins=[plugin])
         assert (got["scale"], got["skipped"]) == (2.0**9, 1), "fp16 parameters: the same step is skipped"

@@ -18,6 +18,7 @@ from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrec
 from lightning_zero.driver.checkpointing import consolidate
 from lightning_zero.engine import UnsupportedOptimizerError
 from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
+from lightning_zero.engine.schedule.reduce import reduce_numel, reduce_width
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
@@ -257,6 +258,8 @@ class _StepAccounting(Callback):
             self.stats = sharded.comm.stats.as_dict()
             self.memory = sharded.memory_stats()
             self.units = [(u.layout.padded_numel, u.layout.shard_numel) for u in sharded.units]
+            self.reduced = sum(reduce_numel(u) for u in sharded.units)  # with each chunk's slot and alignment
+            self.chunks = sum(reduce_width(u.layout, u.reduce_dtype) for u in sharded.units)  # one rank's chunks
         sharded.comm.stats.reset()
 
 
@@ -275,7 +278,8 @@ def _accounting(rank: int, world_size: int) -> None:
         kept = accounting.units[-1][0] if stage == 3 else 0  # net.2 ends this model's forward
         assert stats["reduce_scatter"]["calls"] == len(accounting.units)
         assert stats["all_gather"]["calls"] == len(accounting.units) * (2 if stage == 3 else 1) - (stage == 3)
-        slots = world_size * len(accounting.units)  # one unused-parameter slot per rank's chunk (see grads.py)
+        # One unused-parameter slot per rank's chunk (see grads.py), and zeros that align each chunk to 16 bytes.
+        slots = accounting.reduced - padded
         sent = stats["reduce_scatter"]["bytes_sent"] - slots * 4 * ring + stats["all_gather"]["bytes_sent"]
         assert sent == ((3 if stage == 3 else 2) * padded - kept) * 4 * ring
         assert (stage == 3 or sent >= theory_comm_bytes(stage, numel, world_size)) and sent <= theory_comm_bytes(
@@ -284,7 +288,8 @@ def _accounting(rank: int, world_size: int) -> None:
         # Persistent model state per rank: theory up to shard padding, from the storage sizes.
         expected = theory_bytes(stage, numel, world_size)
         assert memory["params"] == (shard if stage == 3 else padded) * 4
-        assert memory["grads"] == (shard + len(accounting.units)) * 4 and memory["optimizer_states"] <= shard * 8
+        # (each gradient shard is a view of its reduction's chunk: with the slot and the alignment padding)
+        assert memory["grads"] == accounting.chunks * 4 and memory["optimizer_states"] <= shard * 8
         assert expected.params <= memory["params"] <= expected.params + 4 * (padded - numel)
         assert expected.optimizer_states - 8 * (padded - numel) <= memory["optimizer_states"]
 

@@ -1,7 +1,8 @@
 """What both front doors ask every rank to agree on (see [Note: agreements] in ``engine/comm/control.py``).
 
 - at setup: the trainable set (as ``DDPStrategy`` checks that every rank has the same parameters);
-- at the start of a Fabric step (a forward, and its backward when training): its number;
+- at the start of a Fabric step (a forward, and its backward when training): its number; a Fabric no-grad step's
+  start, which ranks elsewhere may serve (stage 3), or defer to its first collective (stages 1 and 2);
 - before a barrier, a broadcast, a reduction that user code or Lightning's logging asks for.
 
 The Trainer's loops agree on more (which step, epoch and phase, uneven evaluation, SIGTERM): that is in
@@ -62,6 +63,19 @@ def agree_on_trainable_set(comm: Comm, module: Module) -> None:
 def begin_plain_step(comm: Comm, key: str, step: int, describe: Callable[[], str]) -> None:
     """Agree on a step counted by the caller (Fabric: a forward, and its backward when training)."""
     comm.begin_sequence(key, [PHASES.index("step"), zlib.crc32(key.encode()), step], describe)
+
+
+def defer_plain_step(comm: Comm, key: str, describe: Callable[[], str]) -> None:
+    """A step that ranks may run different numbers of times, agreed only if it issues a collective (Fabric's no-grad
+    steps under stages 1 and 2: see [Note: Fabric steps] in ``fabric/wrapper.py``); not counted, since the counts
+    may differ."""
+    comm.defer_sequence(key, [PHASES.index("step"), zlib.crc32(key.encode()), 0], describe)
+
+
+def begin_no_grad_step(comm: Comm, first: str, broadcasts: bool, describe: Callable[[], str]) -> bool:
+    """Agree on the beginning of a Fabric no-grad step under stage 3, which ranks elsewhere serve (see [Note: Fabric
+    steps] in ``fabric/wrapper.py``); whether they do. See ``CollectiveSequence.begin_no_grad_step``."""
+    return comm.begin_no_grad_step("no_grad", first, broadcasts, describe)
 
 
 def reduce_like_lightning(comm: Comm, tensor: Tensor, reduce_op: object, name: str, guard: bool = False) -> Tensor:

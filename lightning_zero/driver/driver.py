@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,13 @@ from lightning_zero.driver.config import ZeROConfig, bucket_numel
 from lightning_zero.driver.failures import RAISED_ON_EVERY_RANK, explain_peer_failure, peer_went_away
 from lightning_zero.engine.checkpoint.background import BackgroundSaves, stage_on_host
 from lightning_zero.engine.checkpoint.hf_export import save_with_transformers, write_hf_checkpoint
+from lightning_zero.engine.checkpoint.peft_export import (
+    check_mergeable,
+    holds_adapter_layers,
+    is_peft_model,
+    write_adapter,
+    write_merged,
+)
 from lightning_zero.engine.checkpoint.saving import Ranks, save_full, save_sharded_directory
 from lightning_zero.engine.checkpoint.sharded import checkpoint_meta, plain_module_checkpoint
 from lightning_zero.engine.comm.advice import EXPORT_CALL
@@ -56,6 +64,7 @@ from lightning_zero.engine.core.grouping import module_class_policy
 from lightning_zero.engine.errors import CheckpointSaveError
 from lightning_zero.engine.free_memory import kept_sharded_text
 from lightning_zero.engine.io.files import atomic_torch_save
+from lightning_zero.engine.meta.continued import ContinuedRecording
 from lightning_zero.engine.meta.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
 from lightning_zero.engine.meta.materialize import has_meta_tensors
 from lightning_zero.engine.schedule.recompute import apply_activation_checkpointing
@@ -79,6 +88,7 @@ class ZeRODriver:
         self.sharded: ShardedModel | None = None
         self.control: ControlChannel | None = None
         self.init_trace: InitTrace | None = None
+        self._continued: ContinuedRecording | None = None  # see [Note: writes after the build block]
         self.failed = False
         self._handled: BaseException | None = None  # the exception on_exception last handled
         self._mesh: DeviceMesh | None = None
@@ -113,15 +123,29 @@ class ZeRODriver:
 
     # ------------------------------------------------------------------ the model
     @contextmanager
-    def recording_init(self, device: torch.device) -> Generator[None, None, None]:
+    def recording_init(
+        self, device: torch.device, empty_init: bool = False, until_setup: bool = False
+    ) -> Generator[None, None, None]:
         """With ``meta_init``, layers built inside are recorded on the ``meta`` device and created at ``shard``, one
-        unit at a time, already sharded (``configure_model``, ``fabric.init_module()``)."""
+        unit at a time, already sharded (``configure_model``, ``fabric.init_module()``). ``empty_init``: the
+        ``torch.nn.init`` calls Lightning's ``empty_init=True`` skips are skipped. ``until_setup`` (Fabric): what
+        runs after the block until ``shard`` is recorded too (see [Note: writes after the build block] in
+        ``engine/meta/continued.py``)."""
         if not self.config.meta_init:
             yield
             return
-        with refuse_plain_from_pretrained(), record_meta_init(device) as recording:
+        self.end_recording()
+        with refuse_plain_from_pretrained(), record_meta_init(device, empty_init=empty_init) as recording:
             yield
         self.init_trace = recording
+        if until_setup:
+            self._continued = ContinuedRecording(recording)
+
+    def end_recording(self) -> None:
+        """Stop recording a build that continued past its block (at setup, at the next build, at teardown)."""
+        if self._continued is not None:
+            self._continued.stop()
+            self._continued = None
 
     def shard(
         self,
@@ -134,6 +158,7 @@ class ZeRODriver:
         """Shard ``module`` (in place; it keeps its parameter objects) after every rank has agreed on its trainable
         set. ``prepare`` runs first, inside the meta-init recording when the module was built on ``meta`` (a
         precision cast of meta layers is replayed too) and returns the module to shard."""
+        self.end_recording()
         trace, self.init_trace = self.init_trace, None
         if prepare is not None:
             built_on_meta = trace is not None and has_meta_tensors(module)
@@ -212,6 +237,7 @@ class ZeRODriver:
         back (gathered; nothing is gathered after a failure) and the control channel closes. Returns whether the
         model stays sharded (its full parameters would not fit: see [Note: what fits at the end] in
         ``engine/free_memory.py``; rank 0 is warned)."""
+        self.end_recording()
         kept = False
         save_error: BaseException | None = None
         if not self.failed:  # after a failure, on_exception has waited for the save in flight
@@ -247,9 +273,10 @@ class ZeRODriver:
         return agreement.broadcast(self.sharded.comm if self.sharded is not None else None, obj, src)
 
     def reduce(self, tensor: Tensor, group: Any, reduce_op: Any, name: str, guard: bool = False) -> Tensor:
-        """Lightning's ``_sync_ddp``; on the default group while sharded, counted and checked as the engine's own
-        collectives (see ``agreement.reduce_like_lightning``)."""
-        if self.sharded is not None and group is None:
+        """Lightning's ``_sync_ddp``; on the default group while sharded (``None``, or the world group that
+        ``fabric.all_reduce`` passes), counted and checked as the engine's own collectives (see
+        ``agreement.reduce_like_lightning``)."""
+        if self.sharded is not None and (group is None or group is dist.group.WORLD):
             return agreement.reduce_like_lightning(self.sharded.comm, tensor, reduce_op, name, guard=guard)
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
@@ -307,7 +334,9 @@ class ZeRODriver:
             write(self.ranks(), state)
             return
         ranks = saves.prepare(self.config.timeout)
-        staged = stage_on_host(state, saves.pinned, saves.cpu_mesh)
+        # The copies run on a side stream; the compute stream waits for them before the engine next writes the model.
+        join_later = self.sharded.order_writes_after if self.sharded is not None else None
+        staged = stage_on_host(state, saves.pinned, saves.cpu_mesh, join_later=join_later)
         saves.start(path, lambda background: write(background, staged.state), staged, ranks)
 
     def finish_saves(self, path: Path | None = None) -> None:
@@ -315,18 +344,42 @@ class ZeRODriver:
         if path is None or self.saves.writing(path):
             self.saves.wait()
 
-    def save_pretrained(self, root: Module, module: Module, path: str | Path) -> None:
+    def save_pretrained(self, root: Module, module: Module, path: str | Path, merged: bool = False) -> None:
         """``module`` (part of ``root``) as a Hugging Face checkpoint folder in place of the one ``path`` holds, every
         rank writing its share (see [Note: writing a Hugging Face checkpoint] and [Note: save_pretrained into a
         folder] in ``engine/checkpoint/hf_export.py``); rank 0 calls ``module.save_pretrained`` when the model is
-        not sharded. Every rank agrees first that it is here, before anything is gathered or written: called on
-        one rank only, it raises ``CollectiveMismatchError`` and leaves nothing behind."""
+        not sharded. A peft ``PeftModel``: its adapter, as peft writes it, or with ``merged`` the model with the
+        adapter merged in (see [Note: saving a peft model] in ``engine/checkpoint/peft_export.py``). Every rank
+        agrees first that it is here, before anything is gathered or written: called on one rank only, it raises
+        ``CollectiveMismatchError`` and leaves nothing behind. What cannot be saved so is refused next, on every
+        rank, with ``CheckpointSaveError``."""
         ranks = self.ranks()
         if self.sharded is not None:
             describe = f"{EXPORT_CALL}{str(path)!r})"  # the advice (engine/comm/advice.py) names the fix from it
             self.sharded.comm.agree_event("save_pretrained", lambda: describe)
+        peft = is_peft_model(module)
+        if merged and not peft:
+            raise CheckpointSaveError(
+                f"save_pretrained(..., merged=True) merges a peft adapter into its base model, and the "
+                f"{type(module).__name__} given is not a peft PeftModel: pass the PeftModel (get_peft_model's), or "
+                "leave merged out to save this module as it is"
+            )
+        if merged:
+            check_mergeable(module)
+        if not peft and holds_adapter_layers(module):
+            raise CheckpointSaveError(
+                f"the {type(module).__name__} given holds peft's adapter layers (it is the model inside a PeftModel), "
+                "whose names no loader reads: pass the PeftModel itself, to save its adapter (or with merged=True "
+                "the model with the adapter merged in)"
+            )
         target = Path(ranks.broadcast(str(path)))
-        if self.sharded is None:
+        units = self.sharded.units if self.sharded is not None else []
+        if peft and merged:
+            gathered = partial(self.gathered_parameters, writable=False)
+            write_merged(root, units, module, target, ranks, gathered)
+        elif peft:
+            write_adapter(root, units, module, target, ranks)
+        elif self.sharded is None:
             save_with_transformers(module, target, ranks)
         else:
             write_hf_checkpoint(root, self.sharded.units, module, target, ranks)

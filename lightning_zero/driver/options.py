@@ -59,6 +59,19 @@ def option_names(cls: type) -> list[str]:
     return [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
 
 
+# FSDPStrategy's arguments, as scripts written for it pass them (LitGPT's: auto_wrap_policy={Block},
+# state_dict_type="full", ...), and what says the same here.
+FSDP_EQUIVALENTS = {
+    "state_dict_type": "checkpoint_format='full' or 'sharded'",
+    "auto_wrap_policy": "unit_modules=[Block] (the default finds the repeated blocks)",
+    "cpu_offload": "offload_params=True",
+    "sharding_strategy": "ZeRO1Strategy, ZeRO2Strategy or ZeRO3Strategy, and shard_size for hybrid sharding",
+    "mixed_precision": "Fabric(precision=...) or param_dtype and reduce_dtype",
+    "limit_all_gathers": "prefetch (the number of units gathered ahead; gathers are always limited)",
+    "sync_module_states": "nothing: every rank starts from the same values",
+}
+
+
 def check_option_names(cls: type, kwargs: dict[str, Any]) -> None:
     """Refuse keyword arguments ``cls`` does not take, listing the ones it does (a subclass whose constructor takes
     ``**kwargs`` is left to its ``super().__init__``)."""
@@ -71,7 +84,10 @@ def check_option_names(cls: type, kwargs: dict[str, Any]) -> None:
     hints = []
     for name in unknown:
         close = difflib.get_close_matches(name, valid, n=1)
-        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        if name in FSDP_EQUIVALENTS:
+            hints.append(f"{name!r} (FSDPStrategy's; here: {FSDP_EQUIVALENTS[name]})")
+        else:
+            hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise TypeError(f"{cls.__name__} has no option {', '.join(hints)}. Valid options: {', '.join(valid)}.")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_zero.engine.comm.comm import Comm
+from lightning_zero.engine.comm.device_wait import read_on_host
 from lightning_zero.engine.comm.mesh import ShardGroups, ShardSize, resolve_shard_size
 from lightning_zero.engine.comm.quantized import check_quantization
 from lightning_zero.engine.core.grouping import ROOT_NAME, UnitPolicy, bucket_units, plan_units
@@ -43,6 +44,7 @@ from lightning_zero.engine.full_state import (
 from lightning_zero.engine.meta.init_trace import InitTrace
 from lightning_zero.engine.meta.materialize import has_meta_tensors, materialize_units
 from lightning_zero.engine.meta.pretrained import load_weight_shards, resolve_weight_loads
+from lightning_zero.engine.schedule.arrivals import ForwardWaits
 from lightning_zero.engine.schedule.grads import GradReducer
 from lightning_zero.engine.schedule.stage3 import Stage3Hooks
 
@@ -122,6 +124,10 @@ class ShardedModel:
             check_unit_params(plan.name, plan.params, plan.param_names)
         check_no_shared_memory(module)
         check_no_sparse_gradients(module)
+        # The module each planned unit came from, by its first parameter: where its forward waits for its
+        # post-step gather under stages 1 and 2 (a bucket waits in each of its units' modules; see [Note: each unit
+        # waits for its own gather] in arrivals.py).
+        planned_from = {id(plan.params[0]): plan.module for plan in plans}
         if stage < 3:
             plans = bucket_units(plans, bucket_numel)
         self.module = module
@@ -168,6 +174,15 @@ class ShardedModel:
             for index in range(len(plans)):
                 build(index, None)
         self.units = [u for u in units if u is not None]
+        # One set of side streams for the copies between host and device (see [Note: copies off the compute stream]
+        # in core/streams.py), shared by every unit that has such copies.
+        shared = next((u.streams for u in self.units if u.streams is not None), None)
+        for unit in self.units:
+            if unit.streams is not None:
+                unit.streams = shared
+        # Before the engine next writes what copies on side streams still read (an asynchronous save's staging):
+        # each makes the compute stream wait for them (``order_writes_after``).
+        self._before_writes: list[Callable[[], None]] = []
         # Stage 3's gathered units over time (the peak of a step: see ``GatherLedger``).
         self.gathered = GatherLedger()
         for unit in self.units:
@@ -217,11 +232,17 @@ class ShardedModel:
                 prefetch=prefetch,
                 reshard_after_forward=reshard_after_forward,
                 root=module,
+                comm=comm,
             )
             self.reducer.after_unit_reduced = self.stage3.after_unit_reduced
             self.reducer.after_backward = self.stage3.after_backward
             self.stage3.install()
         self.reducer.install()
+        self.forward_waits: ForwardWaits | None = None
+        if stage < 3:
+            modules = [[planned_from[id(p)] for p in unit.params if id(p) in planned_from] for unit in self.units]
+            self.forward_waits = ForwardWaits(self.units, modules, root=module)
+            self.forward_waits.install()
         # Every parameter, once, in an order that is the same on every rank (unit by unit).
         self.params: list[nn.Parameter] = [p for unit in self.units for p in unit.params]
         self.optimizers: list[Optimizer] = []
@@ -247,8 +268,14 @@ class ShardedModel:
     def begin_step(self, training: bool = True) -> None:
         """Start a step (a forward, and its backward when training): rank 0's buffers on DDP's schedule (see
         [Note: buffer broadcast]), the root unit held and the first units prefetched (stage 3; see
-        [Note: prefetch] in ``stage3.py``)."""
-        self.wait_for_parameters()
+        [Note: prefetch] in ``stage3.py``). Stages 1 and 2 wait here only for the post-step gathers of the units
+        that are not waited for in their own forward (see [Note: each unit waits for its own gather] in
+        ``arrivals.py``)."""
+        self._order_writes()
+        if self.forward_waits is not None:
+            self.forward_waits.begin_forward()
+        else:
+            self.wait_for_parameters()
         self.adopt_rebound_data()
         if self._forward_syncs_buffers:
             self._sync_buffers()
@@ -410,7 +437,9 @@ class ShardedModel:
 
     def _enter_shards(self, optimizer: Optimizer) -> None:
         check_optimizer_params(optimizer, self._own_ids, self.module)  # e.g. add_param_group with a foreign tensor
+        self._order_writes()  # the step writes master shards and optimizer states
         reducer = self.reducer
+        reducer.settle()  # the backward passes' flags (see [Note: flags read at the step] in grads.py)
         saved = []
         self._on_shards_units = self.units_of(optimizer)
         for unit in self._on_shards_units:
@@ -442,6 +471,13 @@ class ShardedModel:
         self._on_shards = None
         self._on_shards_units = []
 
+    def settle_grads(self) -> None:
+        """Read what the backward passes since the last step found (which gradients exist anywhere, whether any
+        holds an inf or NaN) and act on it: the step's one host read (see [Note: flags read at the step] in
+        ``grads.py``). Every reader of the sharded gradients here calls it first; a precision plugin calls it
+        before the hooks that precede the optimizer step. Call on every rank at the same point."""
+        self.reducer.settle()
+
     def shard_params_of(self, optimizer: Optimizer) -> list[nn.Parameter]:
         """The shard parameters (holders of master pieces and sharded gradients) of ``optimizer``'s parameters."""
         return [self._shard_of[p][0] if p in self._shard_of else p for g in optimizer.param_groups for p in g["params"]]
@@ -457,6 +493,19 @@ class ShardedModel:
                 pending.wait()
             else:
                 unit.leave_in_flight(pending)
+
+    def order_writes_after(self, join: Callable[[], None]) -> None:
+        """Run ``join`` before the engine next writes the model's tensors: at the start of the next step or optimizer
+        step, whichever comes first. ``join`` makes the compute stream wait for copies that still read them on a
+        side stream (an asynchronous save's staging: see [Note: copies off the compute stream] in
+        ``core/streams.py``), so that nothing is overwritten before it is copied."""
+        self._before_writes.append(join)
+
+    def _order_writes(self) -> None:
+        if self._before_writes:
+            joins, self._before_writes = self._before_writes, []
+            for join in joins:
+                join()
 
     def wait_for_parameters(self) -> None:
         """Wait for the post-step all-gathers still in flight (``after_optimizer_step``); free when there are none."""
@@ -483,6 +532,7 @@ class ShardedModel:
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of ``optimizer``'s gradients over all ranks' shards (one all-reduce; same on every rank). Under
         hybrid sharding over the shard group only: its replicas hold the same shards."""
+        self.reducer.settle()
         grads = [p.grad for p in self.shard_params_of(optimizer) if p.grad is not None and p.numel()]
         norm_type = float(norm_type)
         device = self.units[0].device  # where collectives run (gradients may be offloaded to the CPU)
@@ -501,6 +551,7 @@ class ShardedModel:
     def nonfinite_grads(self, optimizer: Optimizer) -> tuple[list[int], list[str]]:
         """Which ranks hold an ``inf``/``NaN`` in ``optimizer``'s sharded gradients (the same list on every
         rank, one all-reduce), and the names of this rank's offending parameters."""
+        self.reducer.settle()
         with_grads = [u for u in self.units_of(optimizer) if any(p.grad is not None for p in u.shard_params)]
         if all(u.grads_finite is True for u in with_grads):
             # Known on every rank alike from the reduction's own all-reduce: no collective needed.
@@ -516,7 +567,7 @@ class ShardedModel:
             bad = ~torch.isfinite(torch.stack(peaks)).all()
             flags[self.comm.rank] = bad.to(device=device, dtype=flags.dtype)
         self.comm.all_reduce(flags)
-        ranks = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
+        ranks = [r for r, flag in enumerate(read_on_host(self.comm, flags, "which ranks hold inf/NaN")) if flag > 0]
         local: list[str] = []
         if self.comm.rank in ranks:  # names are looked up only when something is wrong
             for shard_param, peak in zip(shard_params, peaks):
@@ -527,6 +578,7 @@ class ShardedModel:
 
     def drop_grads(self, optimizer: Optimizer) -> None:
         """Forget ``optimizer``'s sharded gradients, so that its next ``step()`` changes nothing."""
+        self.reducer.settle()
         for param in (p for g in optimizer.param_groups for p in g["params"]):
             self._shard_of[param][0].grad = None
             self.reducer.clear_marker(param)
@@ -622,6 +674,7 @@ class ShardedModel:
         stage-3 parameters, which only exist as shards, become NaN, and optimizers keep stepping shards."""
         if self._on_shards is not None:  # a step that raised
             self._exit_shards()
+        self._order_writes()  # (what follows may write the model's tensors, and then the user's code does)
         for handles in self._step_hooks.values():
             for handle in handles:
                 handle.remove()
@@ -640,6 +693,7 @@ class ShardedModel:
                 self.suspend(too_big)
                 return too_big
         self.between_runs = None
+        self.reducer.discard_unchecked()  # the sharded gradients go with the sharded module
         self.reducer.remove()
         self.reducer.drop_buffers()  # the reusable gradient buffers are not needed once the module is plain
         for unit in self.units:
@@ -649,6 +703,8 @@ class ShardedModel:
         self.state_dict_gatherer.remove()
         if self.stage3 is not None:
             self.stage3.remove()
+        if self.forward_waits is not None:
+            self.forward_waits.remove()
         if not gather:
             for unit in self.units:
                 unit.release_without_peers()

@@ -41,6 +41,7 @@ from typing_extensions import override
 from lightning_zero.driver.config import CheckpointFormat
 from lightning_zero.driver.options import ZeROOptions
 from lightning_zero.driver.topology import ProcessTopology
+from lightning_zero.engine.comm.device_wait import read_on_host
 from lightning_zero.engine.core.placeholder import refuse_module_sharded_elsewhere
 from lightning_zero.engine.meta.materialize import has_meta_tensors
 from lightning_zero.fabric import checkpoint
@@ -122,13 +123,16 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
     @contextmanager
     def module_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """``fabric.init_module()``: with ``meta_init`` (stage 3's default), the model is built on the ``meta``
-        device and created at ``fabric.setup`` one unit at a time, already sharded, with the initial values an
-        ordinary construction gives (``empty_init=False`` turns this off)."""
+        device and created at ``fabric.setup`` one unit at a time, already sharded, with the initial values DDP's
+        construction gives, including what code between the block and ``fabric.setup`` writes (see [Note: writes
+        after the build block] in ``engine/meta/continued.py``); ``empty_init=True`` skips what Lightning's skips;
+        ``empty_init=False`` builds for real."""
         with ExitStack() as stack:
             stack.enter_context(self.root_device)
             stack.enter_context(self.precision.module_init_context())
             if self.meta_init and empty_init is not False:
-                stack.enter_context(self.driver.recording_init(self.root_device))
+                recording = self.driver.recording_init(self.root_device, empty_init=bool(empty_init), until_setup=True)
+                stack.enter_context(recording)
             else:
                 stack.enter_context(_EmptyInit(enabled=bool(empty_init)))
             yield
@@ -179,6 +183,21 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         if self._steps is not None:
             self._steps.end()
 
+    def _end_evaluation(self) -> None:
+        """End the no-grad step left open, if any (see [Note: Fabric steps] in ``wrapper.py``): what every call of
+        the strategy does first, other than a forward."""
+        if self._steps is not None:
+            self._steps.end_evaluation()
+
+    def _between_steps(self) -> bool:
+        """End the no-grad step left open, and, if no training step is open either, the sequence of collectives of
+        the last step (local): whether no step is open, so that what follows is agreed as outside a step."""
+        self._end_evaluation()
+        if self._steps is None or self._steps.open:
+            return False
+        self.sharded_model.comm.end_sequence()
+        return True
+
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         with self._reporting_failures():
@@ -217,10 +236,13 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         most ``max_norm``; return that norm before clipping (one all-reduce)."""
         sharded = self.sharded_model
         with self._reporting_failures():
+            self._end_evaluation()
             with sharded.on_shards(optimizer):
                 self.precision.unscale_gradients(optimizer)
             total = sharded.grad_norm(optimizer, norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):  # every rank has the same norm
+        # Every rank has the same norm; reading it waits for the device (as torch's clip_grad_norm_ does with
+        # error_if_nonfinite), through the stall report (see [Note: waits for the device] in device_wait.py).
+        if error_if_nonfinite and not read_on_host(sharded.comm, torch.isfinite(total).reshape(1), "the norm")[0]:
             raise RuntimeError(
                 f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
@@ -233,6 +255,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         """Clamp every gradient element to ``[-clip_val, clip_val]``: element-wise, so done on the shards."""
         sharded = self.sharded_model
+        self._end_evaluation()
         with self._reporting_failures(), sharded.on_shards(optimizer):
             self.precision.unscale_gradients(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -247,15 +270,18 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
             with fabric.strategy.gathered_parameters(writable=False):
                 norm = torch.cat([p.flatten() for p in model.parameters()]).norm()
         """
+        self._end_evaluation()
         return self.driver.gathered_parameters(module, writable)
 
     def grad_norm(self, optimizer: Optimizer, norm_type: float = 2.0) -> Tensor:
         """The global norm of ``optimizer``'s (sharded) gradients, the same on every rank; a collective."""
+        self._end_evaluation()
         return self.sharded_model.grad_norm(getattr(optimizer, "optimizer", optimizer), norm_type)
 
-    def save_pretrained(self, module: Module, path: str | Path) -> None:
+    def save_pretrained(self, module: Module, path: str | Path, merged: bool = False) -> None:
         """Write ``module`` (a transformers model, or a part of the model set up) to ``path`` as a Hugging Face
-        checkpoint in place of the one the folder holds, every rank writing its own file (see
+        checkpoint in place of the one the folder holds, every rank writing its own file; a peft ``PeftModel``: its
+        adapter, or with ``merged=True`` the model with the adapter merged in (see
         ``ZeROStrategy.save_pretrained``). A collective.
 
         Example::
@@ -265,7 +291,8 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         module = getattr(module, "_original_module", module)  # a module returned by fabric.setup
         root = self.driver.sharded.module if self.driver.sharded is not None else module
         with self._reporting_failures():
-            self.driver.save_pretrained(root, module, path)
+            self._end_evaluation()
+            self.driver.save_pretrained(root, module, path, merged)
 
     @override
     def teardown(self) -> None:
@@ -273,6 +300,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         gathered: call on every rank; what would not fit stays sharded; after a failure nothing is gathered), then
         Fabric's own teardown."""
         steps = self._steps.counts if self._steps is not None else {}
+        self._end_evaluation()
         self.driver.teardown(lambda: f"teardown after {steps.get('training', 0)} training steps", fabric=True)
         self.driver.sharded = None  # a Fabric shards one model, once: what stayed sharded is the user's now
         self._steps = None
@@ -289,6 +317,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         """The full (DDP-shaped) state dict of the sharded module; a collective: call on every rank."""
         module = module.module if isinstance(module, ShardedForward) else module
         sharded = self.driver.sharded
+        self._end_evaluation()
         if sharded is not None and module is sharded.module:
             return sharded.full_state_dict()
         return module.state_dict()
@@ -296,6 +325,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The full, per-parameter optimizer state DDP would save; a collective: call on every rank."""
+        self._end_evaluation()
         sharded = self.driver.sharded
         if sharded is not None and optimizer in sharded.optimizers:
             return sharded.full_optimizer_state_dict(optimizer)
@@ -315,6 +345,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
         with self._reporting_failures():
+            self._end_evaluation()
             sharded = self.driver.sharded
             if sharded is not None:
                 sharded.comm.agree_event("save_checkpoint", lambda: f"fabric.save({str(path)!r})")
@@ -336,6 +367,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         """``fabric.load``: either format, written at any world size under any stage, into the shards; the
         entries not restored into ``state`` are returned."""
         with self._reporting_failures():
+            self._end_evaluation()
             self.driver.finish_saves()  # it may be the checkpoint being written
             target = Path(self.broadcast(str(path)))
             return checkpoint.load_state(self.driver, lambda: self.device_mesh, target, state, strict, weights_only)
@@ -361,17 +393,21 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         if isinstance(tensor, Tensor):
             # Where ranks that ran different code meet: counted and checked like the engine's own collectives.
             with self._reporting_failures():
-                return self.driver.reduce(tensor, group, reduce_op, USER_REDUCE)
+                # Between steps, agreed: a rank that is elsewhere (in a no-grad step of its own) is served here.
+                between = self._between_steps()
+                return self.driver.reduce(tensor, group, reduce_op, USER_REDUCE, guard=between)
         return tensor
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         with self._reporting_failures():
+            self._end_evaluation()
             self.driver.barrier(args[0] if args else kwargs.get("name"), self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         with self._reporting_failures():
+            self._end_evaluation()
             return self.driver.broadcast(obj, src)
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from lightning_zero.driver.agreement import PHASES, trainable_hash
 from lightning_zero.engine import Comm
-from lightning_zero.engine.comm.advice import SERVING
+from lightning_zero.engine.comm.advice import AFTER_TRAINING, SERVING
 from lightning_zero.engine.comm.sequence import PendingStep
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,23 @@ def before_training_batch(
     # [Note: gathers at the start of a batch] in engine/sharded_model.py); ``begin_training_step`` names its key.
     comm.begin_sequence("training", None, describe)
     return describe, pending
+
+
+# The Trainer's hooks that run after the training loop has ended, while the strategy is still set up (``on_fit_end``
+# runs after its teardown, when nothing of this library's is left to check).
+_AFTER_TRAINING_HOOKS = frozenset({"on_train_end"})
+
+
+def after_training(trainer: Any) -> str | None:
+    """Where this rank is, for the reports of the collective checks (``ControlChannel.context``), when it is in a
+    hook that runs after the training loop: ``"in on_train_end, after the training loop"``; else ``None``.
+
+    The last training step's sequence is still open there (nothing ends it before the hook: Lightning calls the
+    callbacks' ``on_train_end`` before the strategy's), so its counters would call a collective of the hook
+    "collective 11 of training step 2". Lightning records the hook it is calling on the module
+    (``_current_fx_name``), which is read only when a report is made."""
+    hook = getattr(getattr(trainer, "lightning_module", None), "_current_fx_name", None)
+    return f"in {hook}, {AFTER_TRAINING}" if hook in _AFTER_TRAINING_HOOKS else None
 
 
 def any_sigterm(pending: PendingStep) -> bool | None:
@@ -215,9 +232,12 @@ def begin_eval_step(comm: Comm, phase: str, step: int, describe: Callable[[], st
     reads one batch ahead), a rank *serves* (``serve_eval_steps``): it agrees on the next step with its flag
     down; if another rank's flag is up, it replays one evaluation forward's gathers, unit by unit in the
     recorded order and with the same prefetches (``Stage3Hooks.replay_eval_forward``), which pair with that
-    rank's forward, and goes on to the next step; once no flag is up every rank has finished, and all leave
-    the loop together, to what follows it (the loop's synced logging, the teardown) in step again. So one
-    agreement per batch, as before, and one more per loop. A served step is a step of the "evaluation"
+    rank's first forward of the batch, and goes on to the next step; once no flag is up every rank has
+    finished, and all leave the loop together, to what follows it (the loop's synced logging, the teardown) in
+    step again. So one agreement per batch, as before, and one more per loop. A batch that runs more forwards
+    (a generation loop: one per new token) has each later one agreed, and the serving rank serves it from the
+    agreement it is in (see [Note: joined forwards] in ``engine/schedule/joined.py``), as a rank that is done
+    generating serves the others' within a batch. A served step is a step of the "evaluation"
     sequence like any other (see [Note: collective checks] in ``engine/comm/sequence.py``): a batch that issues
     another collective than the forward's gathers (a per-batch synced log, a callback that communicates) is
     found, at once or by the stall report, with the serving rank's line saying that it serves. Not joined: a

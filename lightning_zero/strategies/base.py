@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -241,6 +242,8 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         self._steps = {}
         self._evaluation = None
         self._step_stats = StepStats()
+        if self.log_stats:
+            self._step_stats.start(self.sharded_model)
         precision.nonfinite_grads = self.nonfinite_grads
         precision.attach(self.sharded_model)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -249,6 +252,8 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
             for optimizer in self.optimizers:
                 self.sharded_model.bind_optimizer(_unwrap(optimizer))
             self._inserted_callbacks = bracket_full_parameter_callbacks(self.gathered_parameters, trainer.callbacks)
+            if driver.control is not None:  # where a report says this rank is, after the training loop
+                driver.control.context = partial(agreement.after_training, trainer)
             if driver.control is not None and self.collective_checks != "off":
                 self._unwrap_batch_start = agreement.wrap_batch_start(trainer, self._agree_on_next_batch)
         self.setup_precision_plugin()
@@ -534,7 +539,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
             return super().lightning_module_state_dict()
         return self.driver.sharded.full_state_dict()
 
-    def save_pretrained(self, module: Module, path: str | Path) -> None:
+    def save_pretrained(self, module: Module, path: str | Path, merged: bool = False) -> None:
         """Write ``module`` (the transformers model the ``LightningModule`` holds, or any part of it) to the folder
         ``path`` as a Hugging Face checkpoint that plain ``from_pretrained`` loads: sharded safetensors with their
         index and the model's ``config.json``, each rank writing the tensors dealt to it, never the whole model on
@@ -544,13 +549,18 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         into a folder]). A collective: call it on every rank. When the module is not sharded (after ``fit``),
         rank 0's ``module.save_pretrained`` writes the files, put in place the same way.
 
+        A peft ``PeftModel`` is saved as peft saves it: its adapter (``adapter_model.safetensors``,
+        ``adapter_config.json``), which ``PeftModel.from_pretrained(base, path)`` loads, or with ``merged=True``
+        (LoRA) the model with the adapter merged in, which plain ``from_pretrained`` loads (see [Note: saving a
+        peft model] in ``engine/checkpoint/peft_export.py``).
+
         Example::
 
             def on_train_end(self):
                 self.trainer.strategy.save_pretrained(self.model, "finetuned")
         """
         assert self.model is not None
-        self.driver.save_pretrained(self.model, module, path)
+        self.driver.save_pretrained(self.model, module, path, merged)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

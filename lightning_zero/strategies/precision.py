@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.driver.config import PRECISIONS, NonFinitePolicy
+from lightning_zero.engine.comm.device_wait import read_on_host
 from lightning_zero.engine.core.scaler import ShardedGradScaler
 from lightning_zero.engine.errors import NonFiniteGradientError
 from lightning_zero.engine.sharded_model import ShardedModel
@@ -184,10 +185,12 @@ class ZeROPrecision(Precision):
         if skip:
             return closure_result
         found = self.scaler._found_inf_per_device(optimizer)  # type: ignore[arg-type]
-        overflow = bool(sum(float(v) for v in found.values()))
+        # Read once, through the stall report (see [Note: waits for the device] in device_wait.py); the read in
+        # ``GradScaler.step`` of the same flags (as under DDP) then finds the device done with them.
+        overflow = _overflowed(self._engine(), found)
         with self._engine().on_shards(optimizer):
             output = self.scaler.step(optimizer, **kwargs)  # type: ignore[arg-type]
-        scale = self.scaler.get_scale()
+        scale = self.scaler.get_scale() if overflow else 0.0  # a read on the host: only for the warning
         self.scaler.update()
         if overflow:
             self.skipped_steps += 1
@@ -224,6 +227,8 @@ class ZeROPrecision(Precision):
 
     @override
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
+        if self.sharded_model is not None:  # before the hooks that look at gradients (see ``settle_grads``)
+            self.sharded_model.settle_grads()
         if self.nonfinite_grads != "ignore" and self.scaler is None:  # with a scaler, the scaler decides
             self._check_finite(model, optimizer)
         super()._after_closure(model, optimizer)
@@ -255,6 +260,15 @@ class ZeROPrecision(Precision):
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self.last_grad_norm = self._engine().clip_grad_norm_(optimizer, float(clip_val))
+
+
+def _overflowed(sharded: ShardedModel, found: dict[torch.device, Tensor]) -> bool:
+    """Whether the scaler found an inf or NaN on some rank (its flags are already all-reduced)."""
+    if not found:
+        return False
+    device = sharded.units[0].device
+    total = torch.stack([flag.to(device, torch.float32) for flag in found.values()]).sum()
+    return read_on_host(sharded.comm, total.reshape(1), "whether the scaled gradients overflowed")[0] > 0
 
 
 def _has_spike_detection(trainer: pl.Trainer) -> bool:

@@ -18,12 +18,19 @@ class StepStats:
     Example::
 
         stats = StepStats()
+        stats.start(strategy.sharded_model)  # once the model is sharded
         # after each optimizer step, on every rank:
         stats.log(trainer, strategy.sharded_model, strategy.root_device, skipped_steps=0)
     """
 
     def __init__(self) -> None:
         self.logged_until: dict[str, CommStats] = {}
+
+    def start(self, sharded: ShardedModel) -> None:
+        """Time the model's collectives on the device from now on (CUDA events, only while statistics are logged:
+        see [Note: device timing] in ``engine/comm/timing.py``)."""
+        for comm in sharded.comms().values():
+            comm.stats.time_on_device()
 
     def log(self, trainer: Any, sharded: ShardedModel, device: torch.device, skipped_steps: int) -> None:
         _log_step_stats(self, trainer, sharded, device, skipped_steps)

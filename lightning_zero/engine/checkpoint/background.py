@@ -17,15 +17,27 @@ thread, and training goes on:
   them). An object that cannot be copied is refused with its place in the checkpoint named, before
   anything is written. A tensor's identity is kept: a piece saved under two tied names is copied once and
   written once. On the CPU a copy is a ``clone``, freed when the write is done. A
-  CUDA tensor is copied into a pinned host buffer with ``non_blocking=True`` on the current stream, and an
-  event recorded after the copies; the host does not wait: kernels queued later on that stream (the next
-  step's optimizer update of the same shards) run after the copies, by stream order, so nothing is
-  overwritten before it is copied, and the thread waits for the event before it reads a byte. The pinned
-  buffers are kept for the next save of the same shapes (pinning is slow: ``cudaHostAlloc`` maps and locks
-  pages), so a run that saves asynchronously holds one extra host copy of its shards, the size of this
-  rank's part of the checkpoint. The copies occupy the copy engine for bytes / PCIe bandwidth (about
-  1.3 GB at 25 GB/s is 50 ms) ahead of the next step's kernels; a side stream would hide that too, but
-  the optimizer step would then have to wait for it, and that wait is not built.
+  CUDA tensor is copied into a pinned host buffer with ``non_blocking=True`` on a *side stream* (``"save"``:
+  see [Note: copies off the compute stream] in ``core/streams.py``), which first waits for the compute stream
+  (what it has queued so far, the step that made these values, comes first), and an event is recorded on the
+  side stream after the copies; the host does not wait. The copies occupy the copy engine for bytes / PCIe
+  bandwidth (about 1.3 GB at 25 GB/s is 50 ms); on the compute stream they would hold up every kernel queued
+  after them, on the side stream they overlap whatever comes next. Two waits make that safe: the thread
+  waits for the event before it reads a byte (``Staged.ready``), and the compute stream waits for the same
+  event before the engine next writes what was copied, at the start of the next step (its forward updates
+  buffers such as BatchNorm's statistics) or optimizer step (which updates the shards and optimizer states in
+  place), whichever comes first (``Staged.order_writes``, given to ``ShardedModel.order_writes_after`` by the
+  driver; a caller that names no such point gets the wait at once), so nothing is overwritten before it is
+  copied. What is not ordered so: an in-place write into one of the saved
+  tensors by user code between the save and the next step (a callback that edits a buffer or a stage-1/2
+  parameter right after ``ModelCheckpoint`` saved), which may land before the copy; write in the step, or save
+  with ``async_save=False``. The tensors copied from are kept (``Staged``) until the thread has seen the event:
+  a temporary made for the checkpoint could otherwise be freed at once and its block handed by the caching
+  allocator to the compute stream's next kernel while the side stream still reads it. The pinned
+  buffers are kept for the next save of the same shapes (pinning is slow: ``cudaHostRegister`` locks the
+  pages), so a run that saves asynchronously holds one extra host copy of its shards, exactly the size of
+  this rank's part of the checkpoint (see [Note: exact pinned memory] in ``core/pinned.py``). Not yet run on a
+  GPU: the orders are CUDA's stream semantics, checked on a CPU with a recording fake (``tests/test_streams.py``).
 - *The thread's collectives.* The protocol's exchanges (the temporary name, the failure reports, the
   checksums, DCP's plans) run on a gloo group of their own, created at the first asynchronous save (every
   rank is in the save, agreed: see ``agree_event``): on the training group they would interleave with the
@@ -39,6 +51,14 @@ thread, and training goes on:
   protocol and the same crash points as a synchronous save.
 - The thread is not a daemon: an interpreter that reaches its end with a save in flight finishes the save
   before it exits (a Fabric script that ends right after ``fabric.save``).
+- *The thread's device.* CUDA's current device belongs to a host thread, and a new thread starts on device 0,
+  whatever device the training thread uses. The thread's first CUDA call (``Staged.ready``'s event
+  synchronisation; torch's ``Event.synchronize`` sets no device) would then initialise device 0's primary
+  context in this process: on every rank, a context of some hundred MiB on GPU 0, and GPU 0 holding one per
+  rank of the node. So the thread makes the save's device current before anything else (``start``'s
+  ``device``: by default the one the staged tensors came from, else the training thread's current CUDA
+  device), as torch's DataLoader pin-memory thread does with ``torch.cuda.set_device``. This is read from
+  CUDA's threading model, not seen on a device: no GPU has run it yet.
 """
 
 from __future__ import annotations
@@ -59,6 +79,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from lightning_zero.engine.checkpoint.saving import Ranks
+from lightning_zero.engine.core.pinned import CUDA_HOST, HostRegistration, pinned_empty
+from lightning_zero.engine.core.streams import Streams, cuda_streams
 from lightning_zero.engine.errors import CheckpointSaveError
 from lightning_zero.engine.io.torch_file import FlatPiece
 
@@ -69,13 +91,14 @@ class PinnedBuffers:
     whose tensor at that position has the same shape and dtype (see [Note: asynchronous saves])."""
 
     buffers: list[torch.Tensor] = field(default_factory=list)
+    host: HostRegistration = CUDA_HOST  # how buffers are pinned (a recording fake in tests)
 
     def take(self, index: int, like: torch.Tensor) -> torch.Tensor:
         if index < len(self.buffers):
             buffer = self.buffers[index]
             if buffer.shape == like.shape and buffer.dtype == like.dtype:
                 return buffer
-        buffer = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+        buffer = pinned_empty(like.shape, like.dtype, self.host)  # exact: see [Note: exact pinned memory] in pinned.py
         if index < len(self.buffers):
             self.buffers[index] = buffer
         else:
@@ -84,21 +107,52 @@ class PinnedBuffers:
 
 
 class Staged:
-    """A checkpoint staged in host memory (``stage_on_host``): ``state``, readable once ``ready()`` returned."""
+    """A checkpoint staged in host memory (``stage_on_host``): ``state``, readable once ``ready()`` returned;
+    ``device``: the CUDA device its tensors were copied from (``None`` when none was). ``sources``: the tensors
+    copied from, kept until the copies are done; ``joins``: each device's streams and the event behind its copies,
+    for ``order_writes``."""
 
-    def __init__(self, state: Any, events: list[Any]) -> None:
+    def __init__(
+        self,
+        state: Any,
+        events: list[Any],
+        device: torch.device | None = None,
+        sources: list[torch.Tensor] | None = None,
+        joins: list[tuple[Streams, Any]] | None = None,
+    ) -> None:
         self.state = state
         self._events = events
+        self.device = device
+        self._sources = sources or []
+        self._joins = joins or []
 
     def ready(self) -> None:
-        """Wait for the device-to-host copies (nothing to wait for on the CPU)."""
+        """Wait for the device-to-host copies (nothing to wait for on the CPU); the tensors copied from may go."""
         for event in self._events:
             event.synchronize()
+        self._sources = []
+
+    def order_writes(self) -> None:
+        """Make each device's compute stream wait for the copies (see [Note: asynchronous saves]): call before
+        anything writes the tensors copied from. Once; no host wait."""
+        joins, self._joins = self._joins, []
+        for streams, event in joins:
+            streams.current_stream().wait_event(event)
 
 
-def stage_on_host(obj: Any, pinned: PinnedBuffers, cpu_mesh: Callable[[], DeviceMesh] | None = None) -> Staged:
+def stage_on_host(
+    obj: Any,
+    pinned: PinnedBuffers,
+    cpu_mesh: Callable[[], DeviceMesh] | None = None,
+    streams: Callable[[torch.device], Streams | None] = cuda_streams,
+    join_later: Callable[[Callable[[], None]], None] | None = None,
+) -> Staged:
     """A copy of the checkpoint ``obj`` whose tensors are host copies and whose containers are new, taken now (see
-    [Note: asynchronous saves]). ``cpu_mesh``: the mesh DTensor pieces of device tensors are rebuilt on.
+    [Note: asynchronous saves]). ``cpu_mesh``: the mesh DTensor pieces of device tensors are rebuilt on. ``streams``:
+    the side streams of a device (``None``: a CPU tensor is cloned; a recording fake in tests). ``join_later``: who
+    runs ``Staged.order_writes`` before the next write of what was copied (``ShardedModel.order_writes_after``);
+    without it the compute stream waits for the copies at once (safe whoever writes next, and the copies then hold
+    up the kernels queued after them).
 
     Example::
 
@@ -107,16 +161,28 @@ def stage_on_host(obj: Any, pinned: PinnedBuffers, cpu_mesh: Callable[[], Device
         assert staged.state["w"].sum() == 2
     """
     memo: dict[int, Any] = {}
-    devices: set[torch.device] = set()
+    devices: set[torch.device] = set()  # copied on their current stream (a device without side streams)
+    on_side: dict[torch.device, Streams | None] = {}  # each device's side streams, once they wait for its compute
+    sources: list[torch.Tensor] = []
     slots = itertools.count()  # the position of each device tensor, for its pinned buffer
 
     def host(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
-        if tensor.device.type == "cpu":
+        if tensor.device not in on_side:
+            side_streams = on_side[tensor.device] = streams(tensor.device)
+            if side_streams is not None:  # after what the compute stream has queued so far
+                side_streams.side_stream("save").wait_stream(side_streams.current_stream())
+        side_streams = on_side[tensor.device]
+        if side_streams is None and tensor.device.type == "cpu":
             return tensor.clone()
         buffer = pinned.take(next(slots), tensor)
-        buffer.copy_(tensor, non_blocking=True)
-        devices.add(tensor.device)
+        if side_streams is None:
+            buffer.copy_(tensor, non_blocking=True)
+            devices.add(tensor.device)
+            return buffer
+        with side_streams.on(side_streams.side_stream("save")):
+            buffer.copy_(tensor, non_blocking=True)
+        sources.append(tensor)  # kept until the copy is done (see [Note: asynchronous saves])
         return buffer
 
     def mesh_for(piece: DTensor) -> DeviceMesh:
@@ -165,11 +231,25 @@ def stage_on_host(obj: Any, pinned: PinnedBuffers, cpu_mesh: Callable[[], Device
 
     state = stage(obj, "checkpoint")
     events = []
+    joins: list[tuple[Streams, Any]] = []
+    for side_streams in on_side.values():
+        if side_streams is not None:
+            event = side_streams.new_event()
+            event.record(side_streams.side_stream("save"))
+            events.append(event)
+            joins.append((side_streams, event))
     for device in devices:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         events.append(event)
-    return Staged(state, events)
+    copied = devices | {d for d, s in on_side.items() if s is not None and d.type != "cpu"}
+    first = min(copied, key=lambda d: d.index or 0) if copied else None
+    staged = Staged(state, events, first, sources, joins)
+    if join_later is None:
+        staged.order_writes()
+    else:
+        join_later(staged.order_writes)
+    return staged
 
 
 def copy_value(value: Any, where: str, memo: dict[int, Any]) -> Any:
@@ -199,8 +279,10 @@ class BackgroundSaves:
         saves.wait()  # raises what the save raised
     """
 
-    def __init__(self) -> None:
+    def __init__(self, use_device: Callable[[torch.device], None] | None = None) -> None:
         self.pinned = PinnedBuffers()
+        # What the thread runs first with the save's device (see [Note: asynchronous saves], the thread's device).
+        self._use_device = use_device or use_device_in_thread
         self._thread: threading.Thread | None = None
         self._path: Path | None = None
         self._error: BaseException | None = None
@@ -236,12 +318,23 @@ class BackgroundSaves:
         return self._ranks(timeout)
 
     # ------------------------------------------------------------------ one save
-    def start(self, path: Path, write: Callable[[Ranks], None], staged: Staged, ranks: Ranks) -> None:
-        """Run ``write(ranks)`` (the save protocol on ``staged.state``) in the background."""
+    def start(
+        self,
+        path: Path,
+        write: Callable[[Ranks], None],
+        staged: Staged,
+        ranks: Ranks,
+        device: torch.device | None = None,
+    ) -> None:
+        """Run ``write(ranks)`` (the save protocol on ``staged.state``) in the background, in a thread whose current
+        device is ``device`` (default: ``staged.device``, else the calling thread's current CUDA device, if any)."""
         assert self._thread is None, "one save at a time: prepare() waits for the previous one"
+        device = device or staged.device or _current_cuda_device()
 
         def run() -> None:
             try:
+                if device is not None:
+                    self._use_device(device)  # first: see [Note: asynchronous saves], the thread's device
                 staged.ready()
                 write(ranks)
             except BaseException as error:  # raised again by the next wait(), in the training thread
@@ -303,6 +396,19 @@ class BackgroundSaves:
         group, self._group = self._group, None
         if group is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group(group)
+
+
+def use_device_in_thread(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current device (CUDA only: a CPU has none)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def _current_cuda_device() -> torch.device | None:
+    """The calling thread's current CUDA device, if CUDA is in use in this process (never initialises it)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return None
 
 
 def _same(a: Path, b: Path) -> bool:

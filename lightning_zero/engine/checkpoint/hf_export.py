@@ -35,6 +35,7 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -62,53 +63,104 @@ def write_hf_checkpoint(
 ) -> None:
     """Write ``module`` (``root`` or a submodule of it, e.g. the transformers model a ``LightningModule`` holds) to
     the folder ``path``, in place of the checkpoint it holds (see the notes above). A collective."""
-    from safetensors.torch import save_file
-
-    _check_part_of(root, module)
-    rank, world_size = ranks.rank, ranks.world_size
-    tied = set(getattr(module, "_tied_weights_keys", None) or [])
-    names: dict[int, str] = {}  # id(param) -> the name it is stored under
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) not in names or names[id(param)] in tied:
-            names[id(param)] = name
-    entries = [(names[id(p)], p.numel() * p.element_size()) for p in module.parameters() if id(p) in names]
-    owner = _deal(entries, world_size)
-    files = [f"model-{r + 1:05d}-of-{world_size:05d}.safetensors" for r in range(world_size)]
-    mine: dict[str, torch.Tensor] = {}
-    members = {id(p) for p in module.parameters()}
-    for unit in units:
-        if not any(id(p) in members for p in unit.params):
-            continue
-        views = unit.full_views(unit.full_flat("save_pretrained()"))
-        for param, view in zip(unit.params, views):
-            name = names.get(id(param))
-            if name is not None and owner[name] == rank:
-                mine[name] = view.detach().to("cpu", copy=True).contiguous()
-        del views
+    check_part_of(root, module)
+    names = stored_names(module)
     buffers = {
         name: buf.detach().to("cpu", copy=True).contiguous()
         for name, buf in module.state_dict(keep_vars=True).items()
         if not isinstance(buf, nn.Parameter) and isinstance(buf, torch.Tensor)
     }
+    plan = WeightPlan(module, names, ranks.world_size)
+    write_weights(
+        units,
+        plan,
+        buffers,
+        [getattr(module, "config", None), getattr(module, "generation_config", None)],
+        Path(path),
+        ranks,
+    )
+
+
+def stored_names(module: nn.Module, rename: Callable[[str], str | None] = lambda name: name) -> dict[int, str]:
+    """``id(param)`` -> the name ``module``'s parameter is stored under: ``rename(name)`` of its name, ``None``
+    leaving it out; a weight tied to another once, under the name not in ``_tied_weights_keys`` (see [Note:
+    writing a Hugging Face checkpoint])."""
+    tied = set(getattr(module, "_tied_weights_keys", None) or [])
+    names: dict[int, str] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        stored = rename(name)
+        if stored is not None and (id(param) not in names or names[id(param)] in tied):
+            names[id(param)] = stored
+    return names
+
+
+class WeightPlan:
+    """Which parameters of ``module`` are written (``names``: ``id(param)`` -> the name stored) and which rank
+    writes each (the deal of [Note: writing a Hugging Face checkpoint])."""
+
+    def __init__(self, module: nn.Module, names: dict[int, str], world_size: int) -> None:
+        self.params = [p for p in module.parameters() if id(p) in names]
+        self.names = names
+        self.entries = [(names[id(p)], p.numel() * p.element_size()) for p in self.params]
+        self.owner = _deal(self.entries, world_size)
+        self.files = [f"model-{r + 1:05d}-of-{world_size:05d}.safetensors" for r in range(world_size)]
+
+
+def write_weights(
+    units: list[ShardedUnit],
+    plan: WeightPlan,
+    buffers: dict[str, torch.Tensor],
+    configs: list[Any],
+    path: Path,
+    ranks: Ranks,
+    values: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Every rank writes the parameters ``plan`` deals to it, gathered one unit at a time (a parameter in no unit
+    of ``units``, of a model that is not sharded, as it is), or the tensor ``values`` holds under its name; rank
+    0 also ``buffers``, the index and the ``configs`` (``save_pretrained``-able, ``None`` skipped). A collective."""
+    from safetensors.torch import save_file
+
+    rank = ranks.rank
+    mine: dict[str, torch.Tensor] = {}
+    given = values or {}
+    members = {id(p) for p in plan.params}
+    in_units = {id(p) for unit in units for p in unit.params}
+    for unit in units:
+        if not any(id(p) in members for p in unit.params):
+            continue
+        views = unit.full_views(unit.full_flat("save_pretrained()"))
+        for param, view in zip(unit.params, views):
+            name = plan.names.get(id(param))
+            if name is not None and plan.owner[name] == rank and name not in given:
+                mine[name] = view.detach().to("cpu", copy=True).contiguous()
+        del views
+    for param in plan.params:
+        name = plan.names[id(param)]
+        if id(param) not in in_units and plan.owner[name] == rank and name not in given:
+            mine[name] = param.detach().to("cpu", copy=True).contiguous()
+    mine.update({name: value for name, value in given.items() if plan.owner[name] == rank})
     if rank == 0:
         mine.update(buffers)
+    files = plan.files
 
     def write(staging: Path) -> list[str]:
         save_file(mine, str(staging / files[rank]), metadata={"format": "pt"})
         if rank != 0:
             return [files[rank]]
-        weight_map = {name: files[r] for name, r in owner.items()}
+        weight_map = {name: files[r] for name, r in plan.owner.items()}
         weight_map.update({name: files[0] for name in buffers})
-        total = sum(size for _, size in entries) + sum(b.numel() * b.element_size() for b in buffers.values())
+        total = sum(size for _, size in plan.entries) + sum(b.numel() * b.element_size() for b in buffers.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (staging / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        for config in (getattr(module, "config", None), getattr(module, "generation_config", None)):
+        for config in configs:
             if config is not None and hasattr(config, "save_pretrained"):
                 config.save_pretrained(staging)
-        others = set(files[1:])  # written by the other ranks, perhaps still being written
-        return sorted(child.name for child in staging.iterdir() if child.name not in others)
+        # Written by the other ranks, perhaps still being written: their files, and the hidden temporary file
+        # safetensors (0.8) writes each one into before renaming it.
+        others = set(files[1:])
+        return sorted(c.name for c in staging.iterdir() if c.name not in others and not c.name.startswith("."))
 
-    replace_checkpoint(ranks, Path(path), write)
+    replace_checkpoint(ranks, path, write)
 
 
 def save_with_transformers(module: nn.Module, path: str | Path, ranks: Ranks) -> None:
@@ -125,10 +177,26 @@ def save_with_transformers(module: nn.Module, path: str | Path, ranks: Ranks) ->
     replace_checkpoint(ranks, Path(path), write)
 
 
-def replace_checkpoint(ranks: Ranks, path: Path, write: Callable[[Path], list[str]]) -> None:
-    """Every rank's ``write(staging)`` (which returns the names of the files it wrote into the folder ``staging``)
-    put in place of the Hugging Face checkpoint in the folder ``path`` (see [Note: save_pretrained into a
-    folder]). A collective; every rank raises the same ``CheckpointSaveError`` if it fails anywhere.
+class FolderLayout(NamedTuple):
+    """What a save puts in a folder: ``steps(folder, new)`` orders the renames and removals that put the staged
+    files ``new`` in place; ``read(folder)`` names the file ``loader`` reads first there (or ``None``)."""
+
+    steps: Callable[[Path, dict[str, Path]], list[Step]]
+    read: Callable[[Path], str | None]
+    loader: str
+
+
+# A Hugging Face model's weights (see [Note: replacing a Hugging Face checkpoint]).
+MODEL_FOLDER = FolderLayout(replacement_steps, read_by_loader, "from_pretrained")
+
+
+def replace_checkpoint(
+    ranks: Ranks, path: Path, write: Callable[[Path], list[str]], layout: FolderLayout = MODEL_FOLDER
+) -> None:
+    """Every rank's ``write(staging)`` (which returns the names of the files it wrote into the folder ``staging``,
+    relative to it) put in place of the checkpoint of ``layout`` in the folder ``path`` (see [Note:
+    save_pretrained into a folder]). A collective; every rank raises the same ``CheckpointSaveError`` if it fails
+    anywhere.
 
     Usage::
 
@@ -162,7 +230,7 @@ def replace_checkpoint(ranks: Ranks, path: Path, write: Callable[[Path], list[st
         outcome = None
         if ranks.is_zero:
             sizes = {name: size for files, _ in reports for name, size in files.items()}
-            outcome = _commit(path, staging, sizes)
+            outcome = _commit(path, staging, sizes, layout)
         outcome = ranks.broadcast(outcome)
         if outcome is not None:
             raise CheckpointSaveError(outcome)
@@ -201,27 +269,27 @@ def _fsync(file: Path) -> int:
         os.close(fd)
 
 
-def _commit(path: Path, staging: Path, sizes: dict[str, int]) -> str | None:
+def _commit(path: Path, staging: Path, sizes: dict[str, int], layout: FolderLayout) -> str | None:
     """Rank 0 puts the staged files in place (see [Note: replacing a Hugging Face checkpoint]); what failed."""
     new = {name: staging / name for name in sizes}
     steps: list[Step] = []
     done = 0
     try:
         check_complete({path: None, staging: None, **{new[name]: size for name, size in sizes.items()}})
-        steps = replacement_steps(path, new)
+        steps = layout.steps(path, new)
         for step in steps:
             step.apply()
             done += 1
     except Exception as err:  # reported on every rank, never raised on rank 0 alone (the others would wait)
-        renamed = {step.target.name for step in steps[:done] if step.source is not None}
-        read = read_by_loader(path)
+        renamed = {str(step.target.relative_to(path)) for step in steps[:done] if step.source is not None}
+        read = layout.read(path)
         if read is None:
             now = "finds no weights in it: save again"
         else:
             now = f"reads {read!r} " + ("(this save's)" if read in renamed else "(of the checkpoint that was there)")
         return (
             f"save_pretrained({str(path)!r}) failed on rank 0 while putting the new files in place "
-            f"({type(err).__name__}: {err}); the files not yet in place were removed, and from_pretrained now {now}"
+            f"({type(err).__name__}: {err}); the files not yet in place were removed, and {layout.loader} now {now}"
         )
     remove(staging)
     for leftover in path.glob(f".{STAGING}{TMP}*"):  # of saves killed before their commit
@@ -246,7 +314,7 @@ def _remove_if_empty(folder: Path) -> None:
         pass
 
 
-def _check_part_of(root: nn.Module, module: nn.Module) -> None:
+def check_part_of(root: nn.Module, module: nn.Module) -> None:
     if any(candidate is module for candidate in root.modules()):
         return
     raise ValueError(

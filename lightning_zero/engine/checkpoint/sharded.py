@@ -506,7 +506,9 @@ def consolidate_state(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """The full, DDP-shaped checkpoint of a sharded one, on one process (no process group, no GPU).
 
     ``meta`` is the content of ``meta.pt``; the result adds ``state_dict`` and ``optimizer_states``
-    as ``DDPStrategy`` would have saved them.
+    as ``DDPStrategy`` would have saved them, or, for a directory ``fabric.save`` wrote, the model and optimizer
+    states under the keys of the state it was given, as Fabric's ``DDPStrategy`` writes them (LitGPT's
+    ``lit_model.pth`` keeps its model under ``model``).
     """
     if "lightning_zero" not in meta:
         raise CorruptCheckpointError(
@@ -556,6 +558,10 @@ def consolidate_state(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
             start += len(group["params"])
         optimizer_states.append({"state": state, "param_groups": groups})
     checkpoint = {k: v for k, v in meta.items() if k != "lightning_zero"}
+    fabric = zero_meta.get("fabric")
+    if fabric is not None:  # written by fabric.save: the user's keys, as its checkpoint_format="full" writes them
+        checkpoint.pop("pytorch-lightning_version", None)  # added for a Trainer reading the directory
+        return {fabric["module"]: state_dict, **dict(zip(fabric["optimizers"], optimizer_states)), **checkpoint}
     checkpoint["state_dict"] = state_dict
     if "optimizer_states" in meta or zero_meta["optimizers"]:
         checkpoint["optimizer_states"] = optimizer_states

@@ -13,6 +13,29 @@ _COLLECTIVE_TEXT = re.compile(
 # start one of its steps, or in a collective of one.
 _IN_EVALUATION = re.compile(r"(?:start |collective \d+ of )(validation|sanity check|test|predict) step (\d+)")
 SERVING = "serves the gathers of the ranks still running"  # what a stage-3 rank that has run out of batches says
+# What a rank in a joined no-grad forward says, and one that serves it (see [Note: joined forwards] in
+# engine/schedule/joined.py): "start no-grad forward 2 (from 'layers.0') of validation step 1 (...)".
+NO_GRAD_FORWARD = "no-grad forward"
+SERVES_FORWARD = "serves its gathers"
+GENERATION_ADVICE = (
+    "Under stage 3 the ranks ran different numbers of forwards under no_grad (a generation loop: model.generate(...) "
+    "with a different number of new tokens per rank, or an end-of-sequence token reached on one rank first). A rank "
+    "that has finished its forwards serves the gathers of the ranks still running them, from its next collective "
+    "or agreement, as long as every rank ran at least the first forward of the loop, a later forward gathers only "
+    "units (no other collective inside it), and the rank that serves has run a forward starting at the same unit "
+    "itself; here that did not hold. Pass synced_gpus=True to model.generate(...), so that every rank runs as many "
+    "forwards, or run the same forwards on every rank."
+)
+# What a Fabric no-grad step says when it begins with a broadcast of rank 0's buffers, which ranks elsewhere cannot
+# serve (see [Note: Fabric steps] in fabric/wrapper.py), and the advice for it.
+BROADCASTS_BUFFERS = "which broadcasts rank 0's buffers first"
+BROADCAST_ADVICE = (
+    "A forward through the model fabric.setup returned, the first after a forward with gradients, broadcasts rank "
+    "0's buffers to every rank first (as DDP's forward does), so every rank must run it: here some ranks were "
+    "elsewhere (under DDP they would hang). Run that forward on every rank, run a forward under no_grad on every "
+    "rank before the ones that only some ranks run, or pass broadcast_buffers=False to the strategy if the buffers "
+    "need no copying from rank 0 (they are the same on every rank, or are not statistics)."
+)
 # Per evaluation phase: the prefix of its dataloader hook and limit_*_batches, and its step hook.
 _HOOKS = {
     "validation": ("val", "validation_step"),
@@ -27,6 +50,21 @@ STATE_DICT_GATHER = "(state_dict())"
 EXPORT_GATHER = "(save_pretrained())"
 EXPORT_CALL = "strategy.save_pretrained(module, "  # what a rank in the driver's agreement before an export says
 PARAMETER_READ = "outside its forward)"
+# Where a rank says it is when a hook that runs after the training loop issued the collective (see
+# ``strategies/agreement.py``'s ``after_training``): "in on_train_end, after the training loop".
+AFTER_TRAINING = "after the training loop"
+_AFTER_TRAINING_TEXT = re.compile(r"in (\w+), " + AFTER_TRAINING)
+# A stage-3 gather outside any step (a unit's, or a parameter read's): where a generation loop in a hook or a
+# callback gathers, forward after forward, without the join of [Note: joined forwards] in engine/schedule/joined.py.
+_GATHER_OUTSIDE_STEP = re.compile(r"^(waiting for the other ranks to agree on: )?all_gather of .*outside a step")
+GENERATION_OUTSIDE_STEP = (
+    "If this rank was generating (model.generate(...)) outside a step, in a hook such as on_validation_epoch_end or "
+    "in a callback (under Fabric: through the model fabric.setup returned without "
+    "fabric_model.mark_forward_method('generate')), a rank that has finished its tokens cannot serve the gathers of "
+    "the ranks still generating there: pass synced_gpus=True to model.generate(...), or generate inside "
+    "training_step, validation_step, test_step or predict_step (under Fabric, mark generate as a forward method), "
+    "where it can."
+)
 
 
 def explain_texts(texts: list[str], stage: int | None = None) -> str:
@@ -34,7 +72,13 @@ def explain_texts(texts: list[str], stage: int | None = None) -> str:
     run, when known (the advice differs: stages 1 and 2 have no collective in forward)."""
     advice = []
     uneven = _uneven_evaluation(texts)
-    if uneven is not None:
+    generation = any(NO_GRAD_FORWARD in t for t in texts)
+    broadcast = any(BROADCASTS_BUFFERS in t for t in texts)
+    if broadcast:
+        advice.append(BROADCAST_ADVICE)
+    elif generation:  # the ranks' forwards differ, not (only) their batches
+        advice.append(GENERATION_ADVICE)
+    elif uneven is not None:
         advice.append(_uneven_advice(uneven, stage, any(SERVING in t for t in texts)))
     elif any(EXPORT_GATHER in t or t.startswith(EXPORT_CALL) for t in texts):
         advice.append(
@@ -45,7 +89,10 @@ def explain_texts(texts: list[str], stage: int | None = None) -> str:
         advice.append(
             "module.state_dict() gathers the stage-3 parameters from every rank (and save_pretrained calls it): "
             "call it on every rank, not under `if trainer.is_global_zero`; to write the files on one rank, call "
-            "model.save_pretrained(path, is_main_process=trainer.is_global_zero) on every rank."
+            "model.save_pretrained(path, is_main_process=trainer.is_global_zero) on every rank. (A transformers "
+            "model.save_pretrained(path) stopped here has written config.json (and generation_config.json, for a "
+            "model that generates) into path before its state_dict() call, and no weights: the next save into path, "
+            "on every rank, completes it.)"
         )
     elif any(PARAMETER_READ in t for t in texts):
         advice.append(
@@ -73,8 +120,25 @@ def explain_texts(texts: list[str], stage: int | None = None) -> str:
             "trainer.save_checkpoint is a collective under lightning_zero (every rank writes its part): call it on "
             "every rank, not under `if trainer.is_global_zero` (ModelCheckpoint already does this right)."
         )
+    # A gather outside a step while another rank is elsewhere: perhaps a generation loop in a hook (stage 3 only).
+    outside = stage in (3, None) and any(_GATHER_OUTSIDE_STEP.match(t) for t in texts)
+    if outside:
+        advice.append(GENERATION_OUTSIDE_STEP)
+    after_training = next((m.group(1) for t in texts if (m := _AFTER_TRAINING_TEXT.search(t)) is not None), None)
+    if after_training is not None:
+        advice.append(
+            f"This collective was issued in {after_training}, which runs once the training loop has ended, on some "
+            "ranks only: the other ranks had gone on (their line above says where). Training itself ran the same "
+            f"steps on every rank. Run that code in {after_training} on every rank alike; to act on one rank only "
+            "(print, write a file), first do the collective part on every rank, then the rest under "
+            "`if trainer.is_global_zero`."
+        )
     if (
         uneven is None
+        and not generation
+        and not broadcast
+        and not (outside and not any(t.startswith("start training step") for t in texts))
+        and after_training is None
         and any(t.startswith(("start ", "teardown")) for t in texts)
         and not any("save_checkpoint" in t for t in texts)
     ):
@@ -125,7 +189,7 @@ def _uneven_advice(phase: str, stage: int | None, serving: bool) -> str:
     if serving:
         return (
             f"{said} Under stage 3 a rank that has finished keeps serving the parameter gathers of the ranks still "
-            f"running (one forward's gathers for each batch they run), but no other collective: here a batch also "
+            f"running (the gathers of every forward they run), but no other collective: here a batch also "
             f"issued one ({per_batch}). {logging}, or {fix}"
         )
     if stage == 3:

@@ -55,11 +55,12 @@ blocks, and the kernels queued after the wait run after the collective. The engi
 - nothing on the step path reads a device value on the host (``.item()``, ``bool()``,
   ``.tolist()``), except where a decision must be made on the host once per step (see the
   callers);
-- the seconds a collective takes are measured between two CUDA events on the compute stream, one
-  recorded before it is issued and one after ``wait()``: the time the compute stream would have
-  waited for it, overlap excluded. They are read (one host synchronisation) only when the
-  statistics are (``CommStats.resolve``, for ``log_stats`` and the benchmarks). On gloo the host
-  does block in ``wait()``, and the host time spent there is what is counted.
+- the seconds a collective takes on NCCL are measured, only while statistics are kept
+  (``log_stats``), between two CUDA events on a timing stream that follows the collective's own
+  stream: the collective's own time, not the compute it overlapped (see [Note: device timing] in
+  ``timing.py``). They are read (one host synchronisation) only when the statistics are
+  (``CommStats.resolve``). On gloo the host does block in ``wait()``, and the host time spent there
+  is what is counted.
 - ``Comm(run_alone=True)`` issues the collectives even in a process group of one rank, so that one
   GPU runs the NCCL path with its streams, events and buffers (``benchmarks/gpu_check.py``).
 """
@@ -113,14 +114,14 @@ class Pending:
         work: dist.Work | None,
         *keep: torch.Tensor,
         wait: Callable[[dist.Work], None] | None = None,
-        issued: torch.cuda.Event | None = None,
+        device_timed: bool = False,
     ) -> None:
         self._stats = stats
         self._kind = kind
         self._work = work
         self._keep = keep
         self._wait = wait
-        self._issued = issued  # on CUDA: an event recorded on the compute stream before the collective was issued
+        self._device_timed = device_timed  # its seconds are counted on the device (see [Note: device timing])
         self._then: Callable[[], None] | None = None
 
     def then(self, finish: Callable[[], None]) -> Pending:
@@ -160,11 +161,7 @@ class Pending:
         if self._then is not None:
             self._then()
             self._then = None
-        if self._issued is not None:  # see [Note: streams]
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
-            self._stats.timed_on_device.append((self._kind, self._issued, done))
-        else:
+        if not self._device_timed:  # else counted from its events (see [Note: streams])
             self._stats.add_seconds(self._kind, time.perf_counter() - start)
 
 
@@ -222,6 +219,7 @@ class Comm(CollectiveSequence):
         )
         # See [Note: gloo rooted collectives].
         self.rooted = not self._skip and self.world_size > 1 and dist.get_backend(group) == "gloo"
+        self._nccl = not self._skip and dist.get_backend(group) == "nccl"  # collectives on a stream of their own
         self._global_ranks = (
             [dist.get_global_rank(group, r) if group is not None else r for r in range(self.world_size)]
             if initialized
@@ -255,13 +253,16 @@ class Comm(CollectiveSequence):
         self, kind: str, bytes_sent: int, describe: Callable[[], str], fn, *args, async_op: bool = False, **kwargs
     ) -> Pending | None:
         """Issue ``fn`` asynchronously and count it; wait for it now unless ``async_op``."""
-        issued = None
-        if args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
-            issued = torch.cuda.Event(enable_timing=True)
-            issued.record()
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        # On NCCL, timed with events while statistics are kept (see [Note: device timing] in timing.py).
+        device_timed = self._nccl and self.stats.device_timing is not None and first is not None and first.is_cuda
         start = time.perf_counter()
-        work = fn(*args, async_op=True, **kwargs)
-        self.stats.record(kind, bytes_sent, time.perf_counter() - start)
+        if device_timed:
+            assert first is not None
+            work = self.stats.on_device(kind, first.device, lambda: fn(*args, async_op=True, **kwargs))
+        else:
+            work = fn(*args, async_op=True, **kwargs)
+        self.stats.record(kind, bytes_sent, 0.0 if device_timed else time.perf_counter() - start)
         index = -1
         if self.control is not None:
             index = self.control.issued["main"]
@@ -274,7 +275,7 @@ class Comm(CollectiveSequence):
             work,
             *(a for a in args if isinstance(a, torch.Tensor)),
             wait=lambda w: checker._wait(w, index, describe),
-            issued=issued,
+            device_timed=device_timed,
         )
         if async_op:
             return pending

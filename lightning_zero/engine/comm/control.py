@@ -28,7 +28,10 @@ one read per rank and per ``poll_seconds`` of a wait that is already slow.
 
 On NCCL a wait does not block the host (it orders streams), so the host runs on to the next
 agreement, which is where ranks that diverged meet and fail; the NCCL communicator, which may hold
-a collective that will never complete, is then aborted (see ``abort_if_broken``).
+a collective that will never complete, is then aborted (see ``abort_if_broken``). Where the host
+must wait for the device itself (to read a value), it polls an event and reports that wait the
+same way, as a wait behind the last collective it issued (``wait_for_device``; see [Note: waits
+for the device] in ``device_wait.py``).
 
 [Note: agreements at scale]
 gloo's all-gather is a ring: N - 1 steps, each waiting for the one before, so an agreement over 512
@@ -66,11 +69,14 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero.engine.comm.advice import explain_texts
+from lightning_zero.engine.comm.process_exit import close_at_exit
 from lightning_zero.engine.errors import CollectiveMismatchError, PeerFailureError
 
 ROW = 8  # integers per agreement row
 TREE_FROM = 3  # ranks from which an agreement is a gather and a broadcast (see [Note: agreements at scale])
 LINGER_POLLS = 4  # how long rank 0 waits for the others to read a verdict, in polls (see [Note: every rank is told])
+# Between two polls of the device in ``wait_for_device``: from 20 us, doubling, to 1 ms.
+_FIRST_PAUSE, _LONGEST_PAUSE = 2e-5, 1e-3
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -111,6 +117,7 @@ class PendingAgreement:
         explain: Callable[[list[str]], str] | None,
         advice: Callable[[list[str]], str] | None,
         relay: bool = False,
+        accept: Callable[[list[list[int]]], bool] | None = None,
     ) -> None:
         self.channel = channel
         self.works = works  # each collective in flight, with its number on the side group
@@ -121,6 +128,10 @@ class PendingAgreement:
         # Rank 0 of a gathered agreement: the table is broadcast once the gather is in (see [Note: agreements at
         # scale]); until then this rank owes the others that broadcast.
         self.relay = relay
+        # Rows that differ and are still no mismatch (``accept``: see ``ControlChannel.agree``); ``joined`` holds
+        # every rank's row once ``accept`` has taken them.
+        self.accept = accept
+        self.joined: list[list[int]] | None = None
         world = channel.world_size
         table = everyone.numel() * 8
         # Bytes this rank sends, on average over the ranks: an all-gather sends (N - 1)/N of the table; a gather
@@ -177,6 +188,9 @@ class ControlChannel:
         self.closed = False  # see ``close``
         self._stop = threading.Event()  # set by ``close``: the monitor ends
         self._monitor: threading.Thread | None = None
+        # Where this rank is, when its caller knows better than the open step's counters (a Trainer hook after the
+        # training loop, whose collectives the last step's sequence still counts), for reports (``where``).
+        self.context: Callable[[], str | None] | None = None
         if store is not None:
             self._publish(_State("running", 0))
             self._monitor = threading.Thread(
@@ -186,6 +200,14 @@ class ControlChannel:
                 daemon=True,
             )
             self._monitor.start()
+
+    def where(self) -> str | None:
+        """What ``context`` says of where this rank is now (``"in on_train_end, after the training loop"``), or
+        ``None``; asked only when a report is made (by the monitor thread too), and never raises."""
+        try:
+            return self.context() if self.context is not None else None
+        except Exception:  # a report must not fail for its decoration
+            return None
 
     @classmethod
     def create(cls, poll_seconds: float = 1.0, run_alone: bool = False) -> ControlChannel | None:
@@ -207,6 +229,7 @@ class ControlChannel:
             store = None  # agreements still work; stalls are left to the process group's timeout
         channel = cls(group, store, dist.get_rank(), dist.get_world_size(), poll_seconds)
         _current = (world, channel, number)
+        close_at_exit(channel)
         return channel
 
     # ------------------------------------------------------------------ agreements
@@ -217,13 +240,17 @@ class ControlChannel:
         explain: Callable[[list[str]], str] | None = None,
         shared: int = 0,
         advice: Callable[[list[str]], str] | None = None,
+        accept: Callable[[list[list[int]]], bool] | None = None,
     ) -> list[int]:
         """Check that every rank passes the same ``row`` (at most eight integers); otherwise raise
         ``CollectiveMismatchError`` on every rank with each rank's ``describe()`` and ``explain``'s advice.
         ``shared`` travels along without being compared: every rank's value is returned (e.g. a flag that rank
         0 announces to the others, so that it needs no exchange of its own). ``advice``: as for ``wait``, should
-        the ranks deadlock while this rank waits for the agreement."""
-        return self.agree_later(row, describe, explain, shared, advice).result()
+        the ranks deadlock while this rank waits for the agreement. ``accept``: rows that differ but are no
+        mismatch (``accept(rows)`` is true: the same answer on every rank, since every rank holds the same rows);
+        then nothing is raised, and the pending agreement's ``joined`` holds the rows (see [Note: joined
+        forwards] in ``engine/schedule/joined.py``)."""
+        return self.agree_later(row, describe, explain, shared, advice, accept).result()
 
     def agree_later(
         self,
@@ -232,6 +259,7 @@ class ControlChannel:
         explain: Callable[[list[str]], str] | None = None,
         shared: int = 0,
         advice: Callable[[list[str]], str] | None = None,
+        accept: Callable[[list[list[int]]], bool] | None = None,
     ) -> PendingAgreement:
         """``agree``, issued now and settled by ``result()`` on the returned object: the exchange travels while
         the caller works on (see [Note: the start of a training batch] in ``strategies/agreement.py``). One
@@ -262,7 +290,7 @@ class ControlChannel:
                 (dist.gather(mine, None, dst=0, group=self.group, async_op=True), index),
                 (dist.broadcast(everyone, src=0, group=self.group, async_op=True), index + 1),
             ]
-        pending = self._pending = PendingAgreement(self, works, everyone, describe, explain, advice, relay)
+        pending = self._pending = PendingAgreement(self, works, everyone, describe, explain, advice, relay, accept)
         self.bytes_sent += pending.bytes_sent
         return pending
 
@@ -310,6 +338,9 @@ class ControlChannel:
         rows = [table[q * width : q * width + ROW] for q in range(self.world_size)]
         if all(other == rows[0] for other in rows[1:]):
             return [table[q * width + ROW] for q in range(self.world_size)]
+        if pending.accept is not None and pending.accept(rows):
+            pending.joined = rows
+            return [table[q * width + ROW] for q in range(self.world_size)]
         texts: list[Any] = [None] * self.world_size
         self.issued["side"] += 1
         dist.all_gather_object(texts, describe(), group=self.group)
@@ -335,8 +366,38 @@ class ControlChannel:
         if self.store is None:
             work.wait()
             return
+        limit = timedelta(seconds=self.poll_seconds)
+        self._wait_guarded(lambda: _wait_for(work, limit), group, index, describe, advice)
+
+    def wait_for_device(
+        self,
+        ready: Callable[[], bool],
+        index: int,
+        describe: Callable[[], str],
+        advice: Callable[[list[str]], str] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        """Wait until ``ready()`` (a CUDA event's ``query``) is true, polling it and sleeping briefly in between,
+        where the device must first finish collective ``index`` of the main group (the last one this rank issued):
+        reported as a wait for that collective is, so that a peer that will never issue it is named within
+        seconds (see [Note: waits for the device] in ``device_wait.py``). ``sleep`` is replaceable for tests."""
+        if self.store is None:
+            while not ready():
+                sleep(_LONGEST_PAUSE)
+            return
+        self._wait_guarded(lambda: _poll(ready, self.poll_seconds, sleep), "main", index, describe, advice)
+
+    def _wait_guarded(
+        self,
+        done: Callable[[], bool],
+        group: str,
+        index: int,
+        describe: Callable[[], str],
+        advice: Callable[[list[str]], str] | None,
+    ) -> None:
+        """``_wait_reporting``, with the backend's own error explained by what the other ranks published."""
         try:
-            self._wait_reporting(work, group, index, describe, advice)
+            self._wait_reporting(done, group, index, describe, advice)
         except (CollectiveMismatchError, PeerFailureError):
             raise
         except RuntimeError as err:  # the backend's own error, e.g. a peer that found the deadlock first and left
@@ -360,21 +421,22 @@ class ControlChannel:
 
     def _wait_reporting(
         self,
-        work: dist.Work,
+        done: Callable[[], bool],
         group: str,
         index: int,
         describe: Callable[[], str],
         advice: Callable[[list[str]], str] | None,
     ) -> None:
-        limit = timedelta(seconds=self.poll_seconds)
-        if _wait_for(work, limit):
+        """Wait until ``done()`` (which waits at most ``poll_seconds`` itself) says so; from the second poll on,
+        with this rank's state published and every rank's read at each poll (see [Note: stall reports])."""
+        if done():
             return
         self._in_wait = True
         self._publish(_State("waiting", 0, group, index, dict(self.issued), describe()))
         previous: list[_State] | None = None
         verdict: BaseException | None = None
         try:
-            while not _wait_for(work, limit):
+            while not done():
                 states = self._read_all()
                 verdict = self._verdict(states, previous, advice)
                 if verdict is not None:
@@ -446,6 +508,8 @@ class ControlChannel:
                     seen, published, previous = None, False, None
                     continue
                 where, text = blocked
+                if (context := self.where()) is not None:
+                    text += f", {context}"
                 if where != seen:
                     seen, published, previous = where, False, None
                     continue  # blocked for one poll: may still complete on its own
@@ -630,6 +694,20 @@ def _short(filename: str) -> str:
         if anchor in parts:
             return "/".join(parts[parts.index(anchor) + (1 if anchor == "site-packages" else 0) :])
     return "/".join(parts[-2:])
+
+
+def _poll(ready: Callable[[], bool], seconds: float, sleep: Callable[[float], None]) -> bool:
+    """Poll ``ready()`` for at most ``seconds``, sleeping between polls from ``_FIRST_PAUSE`` doubling up to
+    ``_LONGEST_PAUSE`` (a short wait is seen to end within tens of microseconds, a long one within a millisecond,
+    at little CPU); ``False`` if it is still not ready."""
+    deadline = time.monotonic() + seconds
+    pause = _FIRST_PAUSE
+    while not ready():
+        if time.monotonic() >= deadline:
+            return False
+        sleep(pause)
+        pause = min(2 * pause, _LONGEST_PAUSE)
+    return True
 
 
 def _wait_for(work: dist.Work, limit: timedelta) -> bool:

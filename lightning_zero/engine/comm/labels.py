@@ -10,10 +10,13 @@ unit, and which hook around it. The engine opens a ``record_function`` range at 
   the host blocks there; on NCCL it returns at once and the device time is in the trace's CUDA rows), and
   ``ZeRO::agree`` for an agreement on the control channel (see [Note: collective checks] in ``sequence.py``);
 - ``ShardedUnit`` (one unit's parameters and gradients, the unit's name in brackets): ``ZeRO::gather`` (an
-  all-gather of the unit's parameters, with the storage it fills and the copy it reads), ``ZeRO::release`` (its
-  storage freed), ``ZeRO::reduce_grads`` (its gradients packed and reduce-scattered);
+  all-gather of the unit's parameters, with the storage it fills and the copy it reads), ``ZeRO::serve_gather``
+  (this rank's part in another rank's all-gather of the unit, into a buffer dropped at once: see [Note: joined
+  forwards] in ``schedule/joined.py``), ``ZeRO::release`` (its storage freed), ``ZeRO::reduce_grads`` (its
+  gradients packed and reduce-scattered);
 - the schedule (stage 3's hooks and the end of backward): ``ZeRO::pre_forward``, ``ZeRO::post_forward``,
-  ``ZeRO::pre_backward`` (with the unit's name), ``ZeRO::finish_backward``.
+  ``ZeRO::pre_backward`` (with the unit's name), ``ZeRO::finish_backward``, ``ZeRO::settle_grads`` (the backward
+  passes' flags read before the optimizer step: see [Note: flags read at the step] in ``schedule/grads.py``).
 
 A ``record_function`` costs a few microseconds even when no profiler records (it enters the dispatcher), and a
 step opens about a dozen per unit. So ``label`` opens one only while a profiler is active, which

@@ -34,11 +34,13 @@ agrees nothing (the stall report still turns a deadlock into an error).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch.distributed as dist
 
+from lightning_zero.engine.comm.advice import NO_GRAD_FORWARD, SERVES_FORWARD
 from lightning_zero.engine.comm.advice import explain_texts as _explain
 from lightning_zero.engine.comm.control import (
     CollectiveMismatchError,
@@ -52,7 +54,12 @@ from lightning_zero.engine.comm.stats import CommStats
 
 CollectiveChecks = Literal["auto", "all", "off"]
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-_OP_ROW, _STEP_ROW, _EVENT_ROW = 1, 2, 3  # the first number of an agreement row (see control.py)
+# The first number of an agreement row (see control.py); _FORWARD_ROW: a joined no-grad forward starts (see
+# [Note: joined forwards] in engine/schedule/joined.py).
+_OP_ROW, _STEP_ROW, _EVENT_ROW, _FORWARD_ROW = 1, 2, 3, 4
+# The third number of a _FORWARD_ROW that begins a no-grad step of the Fabric door (``begin_no_grad_step``): one that
+# ranks elsewhere may serve, and one that begins with a broadcast of rank 0's buffers, which they cannot.
+_STEP_START, _STEP_START_BROADCASTS = 1, 2
 
 
 class CollectiveSequence:
@@ -94,6 +101,20 @@ class CollectiveSequence:
         self._outstanding = 0  # collectives issued and not yet waited for
         self._pending_step: PendingStep | None = None  # see ``agree_step_later``
         self.broken = False  # a check failed while collectives were in flight: this group can no longer be used
+        # Joined no-grad forwards (see [Note: joined forwards] in engine/schedule/joined.py): ``forward_server``
+        # issues this rank's part of the gathers of one that other ranks run, or of the first forward of a no-grad
+        # step they begin (``(code, step)``; ``None`` once served, or why it cannot be: stage 3 sets it); ``_passed``: a
+        # no-grad forward began since this rank last met the others outside one; ``_in_forward``: the collectives
+        # being issued are a no-grad forward's own; ``_outer``: the step's sequence while a joined forward's is open.
+        self.forward_server: Callable[[int, bool], str | None] | None = None
+        self._passed = False
+        self._in_forward = 0
+        self._outer: tuple[str | None, str, list[tuple[int, int, int]], bool] | None = None
+        self._forwards = 0  # joined forwards agreed in this step (their numbers in messages)
+        # A no-grad step that other ranks serve (see ``begin_no_grad_step``): the unit its first forward announced it
+        # starts at ("" for none), until that forward starts.
+        self._announced: str | None = None
+        self._elsewhere = False  # in the last agreement, some ranks were at another one (see ``_agree``)
 
     def begin_sequence(self, key: str, row: list[int] | None, describe: Callable[[], str]) -> None:
         """A step starts on every rank (see [Note: collective checks]): agree on ``row`` (at most six
@@ -110,6 +131,7 @@ class CollectiveSequence:
         self._step_text = describe()
         self._sequence = []
         self._on_track = self.checks == "auto" and key in self._references
+        self._forwards = 0
 
     def defer_sequence(self, key: str, row: list[int], describe: Callable[[], str]) -> None:
         """A step that ranks may run different numbers of times, as long as it issues no collective (evaluation under
@@ -152,14 +174,26 @@ class CollectiveSequence:
         self.end_sequence()
         self.settle_step()
         pending = None
+        reissue = None
         start = time.perf_counter()
-        if self.control is not None and self.checks != "off":
+        control = self.control
+        if control is not None and self.checks != "off":
             if self.broken:
                 raise CollectiveMismatchError(_BROKEN)
-            pending = self.control.agree_later(
-                [_STEP_ROW, *row], lambda: f"start {describe()}", self._advice, shared, advice=self._advice
-            )
-        self._pending_step = PendingStep(self, pending, time.perf_counter() - start)
+
+            def reissue() -> PendingAgreement:
+                return control.agree_later(
+                    [_STEP_ROW, *row],
+                    lambda: f"start {describe()}",
+                    self._advice,
+                    shared,
+                    advice=self._advice,
+                    accept=_joinable,
+                )
+
+            pending = reissue()
+        self._forwards = 0
+        self._pending_step = PendingStep(self, pending, time.perf_counter() - start, reissue)
         return self._pending_step
 
     def settle_step(self) -> None:
@@ -177,6 +211,7 @@ class CollectiveSequence:
     def end_sequence(self) -> None:
         """The step is over (the next one, or something outside steps, follows): its collectives become the
         reference for the next step of the same key."""
+        self.close_forward()
         if self._key is not None:
             self._references[self._key] = self._sequence
         self._key = None
@@ -201,19 +236,176 @@ class CollectiveSequence:
         self, row: list[int], describe: Callable[[], str], explain: Callable[[list[str]], str], shared: int = 0
     ) -> list[int]:
         assert self.control is not None
+        while True:
+            self.settle_step()
+            if self.broken:
+                raise CollectiveMismatchError(_BROKEN)
+            before = self.control.bytes_sent
+            start = time.perf_counter()
+            try:
+                with label("ZeRO::agree"):
+                    pending = self.control.agree_later(
+                        row, describe, explain, shared, advice=self._advice, accept=_joinable
+                    )
+                    shared_values = pending.result()
+            except (CollectiveMismatchError, PeerFailureError):
+                self.broken = self.broken or self._outstanding > 0 or self.control.broken
+                raise
+            finally:
+                self.stats.record("check", self.control.bytes_sent - before, time.perf_counter() - start)
+            if not self._serve_joined(pending.joined, row[0]):
+                break
+        self._elsewhere = pending.joined is not None  # (for a forward's row: the ranks that serve it)
+        if row[0] != _FORWARD_ROW and not self._in_forward:
+            self._passed = False  # every rank is here: none runs a no-grad forward of this rank's last ones any more
+        return shared_values
+
+    # ------------------------------------------------------------------ joined no-grad forwards
+    def begin_no_grad_step(self, key: str, first: str, broadcasts: bool, describe: Callable[[], str]) -> bool:
+        """A no-grad step of the Fabric door begins on this rank (forwards under ``no_grad`` outside a training step:
+        see [Note: Fabric steps] in ``fabric/wrapper.py``), agreed with a row that the ranks elsewhere serve from
+        where they are, as a joined forward's (see [Note: joined forwards] in ``engine/schedule/joined.py``).
+        ``first``: the unit at which this rank's last such step began its first forward (``""`` if none), the
+        forward the ranks that serve it gather for; ``broadcasts``: the step begins with a broadcast of rank 0's
+        buffers, which no rank elsewhere can join (such a row is a mismatch). Ends the current sequence.
+
+        Returns ``False`` when every rank begins it: its collectives are checked in the sequence of ``key``'s
+        steps, and its first forward rides on this agreement, as a Trainer step's does. ``True`` when other ranks
+        serve it: its collectives up to the end of its first forward (which must start at ``first``) are checked
+        in a sequence of their own, the ranks that serve it issue theirs there, that forward is agreed already
+        (``begin_no_grad_forward``), and the caller issues the step's first collectives (the root unit's gather)
+        inside ``forward_collectives()``."""
+        self.end_sequence()
         self.settle_step()
-        if self.broken:
-            raise CollectiveMismatchError(_BROKEN)
-        before = self.control.bytes_sent
-        start = time.perf_counter()
+        if self.control is None or self.checks == "off":
+            return False
+        code = code_of(first) if first else 0
+        self._agree(
+            [_FORWARD_ROW, code, _STEP_START_BROADCASTS if broadcasts else _STEP_START],
+            lambda: f"start {describe()}",
+            self._advice,
+        )
+        if not self._elsewhere:
+            self._passed = False  # every rank is here: the first forward rides on this agreement
+            self.begin_sequence(key, None, describe)
+            return False
+        self._forwards = 0
+        self._step_text = describe()  # (what the later forwards of the step say they are part of)
+        self._open_forward(code, self._step_text, step=True)
+        self._announced = first
+        self._passed = True
+        return True
+
+    @property
+    def step_served(self) -> bool:
+        """A no-grad step that other ranks serve has begun here, and its first forward has not started yet."""
+        return self._announced is not None
+
+    def begin_no_grad_forward(self, key: str) -> bool:
+        """A no-grad forward starts on this rank, its first unit ``key`` (stage 3, inside a step: see [Note: joined
+        forwards] in ``engine/schedule/joined.py``). The first since this rank last met the others outside one
+        rides on that meeting: nothing is agreed and its collectives stay in the step's sequence; returns
+        ``False``. A later one is agreed (every rank runs it, or serves it from the agreement it is in) and checked
+        in a sequence of its own, keyed by ``key``; returns ``True``."""
+        if self._announced is not None:  # the first forward of a no-grad step that others serve: agreed already
+            announced, self._announced = self._announced, None
+            if key != announced:
+                expected = (
+                    f"to start at {announced!r}, where its last no-grad step's did"
+                    if announced
+                    else "to gather no unit, since it had run no no-grad step before (run one on every rank first)"
+                )
+                self._refuse(
+                    f"rank {self._rank} began a no-grad step while other ranks were elsewhere, and they serve it: "
+                    f"they expected its first {NO_GRAD_FORWARD} {expected}, and it starts at {key!r}"
+                )
+            self._passed = True
+            return True
+        self.close_forward()
+        follows, self._passed = self._passed, True
+        if not follows or self.control is None or self.checks == "off":
+            return follows
+        self._forwards += 1
+        step = self._step_text or "no step (outside a step)"
+        text = f"{NO_GRAD_FORWARD} {self._forwards + 1} (from {key!r}) of {step}"
+        code = code_of(key)
+        self._agree([_FORWARD_ROW, code], lambda: f"start {text}", self._advice)
+        self._open_forward(code, text)
+        return True
+
+    @contextmanager
+    def forward_collectives(self) -> Iterator[None]:
+        """The collectives issued inside are a no-grad forward's own (its units' gathers): they neither end it
+        nor meet the ranks still running others (see ``_before``)."""
+        self._in_forward += 1
         try:
-            with label("ZeRO::agree"):
-                return self.control.agree(row, describe, explain, shared, advice=self._advice)
-        except (CollectiveMismatchError, PeerFailureError):
-            self.broken = self.broken or self._outstanding > 0 or self.control.broken
-            raise
+            yield
         finally:
-            self.stats.record("check", self.control.bytes_sent - before, time.perf_counter() - start)
+            self._in_forward -= 1
+
+    def _open_forward(self, code: int, text: str, step: bool = False) -> None:
+        """Check the collectives from here on in the sequence of the joined forwards of ``code`` (the previous one
+        is the reference), or with ``step`` of the no-grad steps whose first forward is ``code``'s that other ranks
+        served (see ``begin_no_grad_step``), until ``close_forward``."""
+        if self.control is None or self.checks == "off":
+            return
+        self._outer = (self._key, self._step_text, self._sequence, self._on_track)
+        key = f"no-grad {'step' if step else 'forward'} {code}"
+        self._key, self._step_text, self._sequence = key, text, []
+        self._on_track = self.checks == "auto" and key in self._references
+
+    def close_forward(self) -> None:
+        """End the joined forward whose sequence is open, if any: back to the step's sequence."""
+        self._announced = None
+        if self._outer is None:
+            return
+        if self._key is not None:
+            self._references[self._key] = self._sequence
+        self._key, self._step_text, self._sequence, self._on_track = self._outer
+        self._outer = None
+
+    def _serve_joined(self, rows: list[list[int]] | None, mine: int) -> bool:
+        """After an agreement: if it found other ranks starting a joined forward while this rank (``mine``: the
+        first number of its row) is elsewhere, issue this rank's part of that forward's gathers (or of the beginning
+        of the no-grad step they begin: ``begin_no_grad_step``) and return ``True`` (the caller agrees again);
+        otherwise ``False``. See [Note: joined forwards]."""
+        if rows is None or mine == _FORWARD_ROW:
+            return False
+        runner = next(row for row in rows if row[0] == _FORWARD_ROW)
+        code, step = runner[1], runner[2] != 0  # (a no-grad step that begins: see ``begin_no_grad_step``)
+        runners = ", ".join(str(rank) for rank, row in enumerate(rows) if row[0] == _FORWARD_ROW)
+        what = f"first {NO_GRAD_FORWARD} of the no-grad step" if step else NO_GRAD_FORWARD
+        text = f"{what} that rank(s) {runners} run (this rank {SERVES_FORWARD})"
+        if self._in_forward:  # this rank is inside a forward of its own, which the others' does not match
+            self._cannot_serve(runners, "it is in a forward of its own that the others do not run", what)
+        self._open_forward(code, text, step)
+        try:
+            with self.forward_collectives():
+                why = self.forward_server(code, step) if self.forward_server is not None else NEVER_RAN
+        finally:
+            self.close_forward()
+        if why is not None:
+            self._cannot_serve(runners, why, what)
+        return True
+
+    def _cannot_serve(self, runners: str, why: str, what: str = NO_GRAD_FORWARD) -> None:
+        """Raise, here and (through the store) on the ranks ``runners`` waiting in the forward's gathers, that this
+        rank cannot serve their joined forward."""
+        self._refuse(f"rank {self._rank} cannot serve the gathers of the {what} that rank(s) {runners} run: {why}")
+
+    @property
+    def _rank(self) -> int:
+        return self.control.rank if self.control is not None else 0
+
+    def _refuse(self, said: str) -> None:
+        """Raise ``said`` (with advice) here and, through the store, on the ranks waiting in a joined forward's
+        gathers with this one; the group is broken from here on."""
+        said += "."
+        error = CollectiveMismatchError(f"{said}\n{self._advice([said])}")
+        if self.control is not None:
+            self.control.report_failure(error)
+        self.broken = True
+        raise error
 
     def _advice(self, texts: list[str]) -> str:
         """What to change, from what the ranks were doing (for this Comm's stage)."""
@@ -224,9 +416,12 @@ class CollectiveSequence:
         step = self._step_text
 
         def describe() -> str:
-            where = f"collective {position + 1} of {step}" if position is not None else "outside a step"
-            if position is None and step:
-                where += f", after {step}"
+            # Where the caller says this rank is (``ControlChannel.context``) says more than the open step's counters.
+            where = self.control.where() if self.control is not None else None
+            if where is None:
+                where = f"collective {position + 1} of {step}" if position is not None else "outside a step"
+                if position is None and step:
+                    where += f", after {step}"
             return f"{kind} of {name!r} ({numel} elements, {where})"
 
         return describe
@@ -241,12 +436,17 @@ class CollectiveSequence:
         if self._deferred is not None:  # the first collective of a deferred step: agree on the step first
             key, row, describe_step = self._deferred
             self.begin_sequence(key, row, describe_step)
+        # Outside a no-grad forward's own collectives, after one: the forward is over here, and this collective is
+        # agreed, so that ranks still running no-grad forwards are met and served (see [Note: joined forwards]).
+        meet = not self._in_forward and self._passed
+        if not self._in_forward:
+            self.close_forward()
         code = self._codes.get(name)
         if code is None:
             code = self._codes[name] = code_of(name)
         if self._key is None:
             describe = self._describer(kind, name, numel, None)
-            if guard or self.checks == "all":
+            if guard or self.checks == "all" or meet:
                 self._agree([_OP_ROW, _KINDS.index(kind), code, numel], describe, self._advice)
             return describe
         entry = (_KINDS.index(kind), code, numel)
@@ -255,8 +455,10 @@ class CollectiveSequence:
         describe = self._describer(kind, name, numel, position)
         reference = self._references.get(self._key)
         if self._on_track and reference is not None and position < len(reference) and reference[position] == entry:
-            return describe
-        self._on_track = False
+            if not meet:
+                return describe
+        else:
+            self._on_track = False
         self._agree([_OP_ROW, *entry, position], describe, self._advice)
         return describe
 
@@ -287,10 +489,17 @@ class PendingStep:
         shared = pending.result()
     """
 
-    def __init__(self, sequence: CollectiveSequence, pending: PendingAgreement | None, issue_seconds: float) -> None:
+    def __init__(
+        self,
+        sequence: CollectiveSequence,
+        pending: PendingAgreement | None,
+        issue_seconds: float,
+        reissue: Callable[[], PendingAgreement] | None = None,
+    ) -> None:
         self._sequence = sequence
         self._pending = pending
         self._issue_seconds = issue_seconds
+        self._reissue = reissue  # the same agreement again, after serving a joined forward (see ``result``)
 
     @property
     def exchanges(self) -> bool:
@@ -298,25 +507,55 @@ class PendingStep:
         return self._pending is not None
 
     def result(self) -> list[int] | None:
-        sequence, pending = self._sequence, self._pending
+        sequence = self._sequence
         if sequence._pending_step is self:
             sequence._pending_step = None
-        if pending is None:
-            return None
-        control = sequence.control
-        assert control is not None
-        settled = pending.settled
-        start = time.perf_counter()
-        try:
-            with label("ZeRO::agree"):
-                return pending.result()
-        except (CollectiveMismatchError, PeerFailureError):
-            sequence.broken = sequence.broken or sequence._outstanding > 0 or control.broken
-            raise
-        finally:
-            if not settled:  # counted once, as ``agree_step`` counts it: its bytes, the host's time to issue and wait
-                elapsed = self._issue_seconds + time.perf_counter() - start
-                sequence.stats.record("check", pending.bytes_sent, elapsed)
+        while True:
+            pending = self._pending
+            if pending is None:
+                return None
+            control = sequence.control
+            assert control is not None
+            settled = pending.settled
+            start = time.perf_counter()
+            try:
+                with label("ZeRO::agree"):
+                    shared = pending.result()
+            except (CollectiveMismatchError, PeerFailureError):
+                sequence.broken = sequence.broken or sequence._outstanding > 0 or control.broken
+                raise
+            finally:
+                if not settled:  # counted once, as ``agree_step`` counts it: its bytes, the time to issue and wait
+                    elapsed = self._issue_seconds + time.perf_counter() - start
+                    sequence.stats.record("check", pending.bytes_sent, elapsed)
+            if settled:
+                return shared
+            # Other ranks are in a joined no-grad forward: serve it, then agree on the step again (see [Note:
+            # joined forwards] in engine/schedule/joined.py).
+            if self._reissue is None or not sequence._serve_joined(pending.joined, _STEP_ROW):
+                sequence._passed = False
+                return shared
+            self._issue_seconds = 0.0
+            self._pending = self._reissue()
+
+
+def _joinable(rows: list[list[int]]) -> bool:
+    """Rows that are no mismatch although they differ: some ranks start a joined no-grad forward (all the same one)
+    while the others are all at one other agreement, from which they serve it (see [Note: joined forwards] in
+    ``engine/schedule/joined.py``)."""
+    forwards = [row for row in rows if row[0] == _FORWARD_ROW]
+    others = [row for row in rows if row[0] != _FORWARD_ROW]
+    return (
+        bool(forwards)
+        and bool(others)
+        and all(row == forwards[0] for row in forwards)
+        and all(row == others[0] for row in others)
+        and forwards[0][2] != _STEP_START_BROADCASTS  # a broadcast of buffers: DDP's would hang there too
+    )
+
+
+# Why a rank that has never run a forward starting at a unit cannot serve one (see ``_serve_joined``).
+NEVER_RAN = "it never ran a forward starting at that unit, so it cannot know its gathers"
 
 
 _BROKEN = (

@@ -12,9 +12,13 @@ Example::
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from lightning_zero.engine.comm.timing import DeviceClock, DeviceTiming
 
 
 @dataclass
@@ -31,9 +35,23 @@ class CommStats:
     """Per-kind accounting; ``reset()`` between steps to read per-step figures."""
 
     by_kind: dict[str, CollectiveStats] = field(default_factory=lambda: defaultdict(CollectiveStats))
-    # CUDA event pairs of collectives not yet read (see [Note: streams] in ``comm.py``); added to ``seconds`` by
-    # ``resolve``.
-    timed_on_device: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    # While statistics are kept (``time_on_device``): the CUDA events of the collectives on a device, turned into
+    # ``seconds`` once reached (see [Note: device timing] in ``timing.py``). ``None``: no events are made.
+    device_timing: DeviceTiming | None = None
+
+    def time_on_device(self, clock: DeviceClock | None = None) -> None:
+        """From now on, time the collectives on a CUDA device with events (``log_stats``); without it their
+        ``seconds`` are the host's, which on NCCL are only the time to issue them."""
+        if self.device_timing is None:
+            self.device_timing = DeviceTiming(clock)
+
+    def on_device(self, kind: str, device: torch.device, issue: Callable[[], Any]) -> Any:
+        """``issue()`` (one collective, ``async_op=True``; returns its work) timed on ``device``; the pairs the device
+        has already reached are counted now, so only those of collectives still running are held."""
+        assert self.device_timing is not None, "on_device() after time_on_device()"
+        work = self.device_timing.around(kind, device, issue)
+        self.device_timing.resolve(self.add_seconds)
+        return work
 
     def record(self, kind: str, bytes_sent: int, seconds: float) -> None:
         entry = self.by_kind[kind]
@@ -48,10 +66,8 @@ class CommStats:
     def resolve(self) -> None:
         """Add the device time of the collectives timed with CUDA events (waits for the last of them: one host
         synchronisation, made only when the figures are read)."""
-        for kind, start, end in self.timed_on_device:
-            end.synchronize()
-            self.by_kind[kind].seconds += start.elapsed_time(end) / 1000.0
-        self.timed_on_device.clear()
+        if self.device_timing is not None:
+            self.device_timing.resolve(self.add_seconds, block=True)
 
     @property
     def bytes_sent(self) -> int:
@@ -62,7 +78,8 @@ class CommStats:
 
     def reset(self) -> None:
         self.by_kind.clear()
-        self.timed_on_device.clear()
+        if self.device_timing is not None:
+            self.device_timing.clear()
 
     def snapshot(self) -> CommStats:
         """A copy of the counters as they are now (``since`` subtracts one)."""

@@ -14,6 +14,16 @@ The parameters of one unit are laid end to end, in a fixed order, in one 1-D buf
   flattened parameter (``param_offset``) and how many elements it has (``numel``, possibly 0).
 
 Everything else in the engine speaks this vocabulary and points here.
+
+[Note: aligned chunks]
+A collective over a buffer cut into one chunk per rank (a reduction's chunks: see ``schedule/reduce.py``) reads and
+writes each chunk at ``rank * width`` elements from the start. NCCL's kernels and the copy engines move 16 bytes
+per access when the address allows it; a chunk that starts off a 16-byte boundary takes a slower path. The
+caching allocator hands out blocks aligned far beyond 16 bytes (512 on CUDA), so every chunk starts aligned
+exactly when ``width * element_size`` is a multiple of 16: ``aligned_numel`` rounds a chunk's elements up to that
+(4 fp32 elements, 8 bf16, 2 fp64; element sizes that do not divide 16 round up to whole 16-byte multiples). The
+extra elements are padding at the end of each chunk, zeros that reach no parameter: the flat layout above, and
+so checkpoints, are unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +34,23 @@ from functools import cached_property
 from typing import NamedTuple
 
 import torch
+
+ALIGN_BYTES = 16  # see [Note: aligned chunks]
+
+
+def aligned_numel(numel: int, element_size: int, align_bytes: int = ALIGN_BYTES) -> int:
+    """``numel`` rounded up so that ``numel`` elements of ``element_size`` bytes fill whole ``align_bytes`` (see
+    [Note: aligned chunks]).
+
+    Example::
+
+        >>> aligned_numel(5, 4), aligned_numel(5, 2), aligned_numel(8, 4), aligned_numel(0, 4), aligned_numel(3, 3)
+        (8, 8, 8, 0, 16)
+    """
+    if numel < 0 or element_size < 1 or align_bytes < 1:
+        raise ValueError(f"aligned_numel({numel}, {element_size}, {align_bytes}): sizes must be positive")
+    step = align_bytes // math.gcd(align_bytes, element_size)  # elements per aligned run
+    return -(-numel // step) * step
 
 
 class ShardRange(NamedTuple):

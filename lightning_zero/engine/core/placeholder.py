@@ -420,7 +420,8 @@ def reveal(params: list[nn.Parameter]) -> None:
 # whose ``__torch_function__`` waits for the unit's gather before any access that is not metadata
 # (``_ARRIVING_METADATA``: shape, dtype, ``.grad``, hooks, ``requires_grad``), then switches the parameters
 # back (``settle``, from ``ShardedUnit._finish_gather``) and runs the function on the now plain parameters.
-# ``begin_step`` waits for them, before the next forward (so a compiled forward never meets these classes);
+# Each unit's forward waits for its own (see [Note: each unit waits for its own gather] in ``schedule/arrivals.py``;
+# ``begin_step`` waits for the units compiled code reads, so a compiled forward never meets these classes);
 # Lightning's loop in between (``on_train_batch_end``, logging, the next batch's agreement and fetch,
 # ``on_train_batch_start``) runs while the gathers travel; and any
 # code that reads values earlier (a callback reading weights, ``state_dict()``, ``copy.deepcopy``, a write,

@@ -66,21 +66,26 @@ host: a blocking device-to-host copy waits for every kernel queued before it (th
 would stop being queued ahead), and a copy into pageable memory is staged and synchronous whatever
 ``non_blocking`` says. So:
 
-- device to host (``to_master``): the shard is copied with ``non_blocking=True`` into a new
-  *pinned* host tensor, on the current stream, after the reduce-scatter it reads (the collective's
-  ``wait()`` has already ordered the current stream after it). The device-side source may be freed
-  at once: the caching allocator reuses its memory only for work queued later on the same stream.
-  The host tensor must not be read before the copy lands. The only host reads before the optimizer
-  step are in ``GradReducer._attach_pending`` (accumulation into an earlier sharded gradient); they
-  come after its one ``tolist()`` of the flags, which waits for the current stream up to there,
-  copies included, and after an event recorded behind the last copy is synchronised (a no-op by
-  then, so the ordering does not depend on where ``tolist()`` happens to be). The finite check
-  sums each shard on the device before the copy, so it reads nothing on the host.
+- device to host (``to_master``): the shard is copied with ``non_blocking=True`` into a *pinned*
+  host buffer of the unit's (``host_grads``, handed out again once the previous step's gradients
+  are gone: see [Note: exact pinned memory] in ``pinned.py``), on CUDA on the ``"reduce"`` side
+  stream, which first waits for the compute stream, itself ordered after the reduce-scatter by the
+  collective's ``wait()`` (see [Note: copies off the compute stream] in ``streams.py``): no kernel
+  queued later waits for the copy. The device-side source is dropped at once, marked for the side
+  stream (``record_stream``), so that the caching allocator hands its block to nothing before the
+  copy has read it. The host tensor must not be read before the copy lands. The only host reads
+  before the optimizer step are in ``GradReducer._attach_pending`` (accumulation into an earlier
+  sharded gradient); they come after an event recorded behind the last copy (on the side stream:
+  ``host_copies_event``) has been waited for (polled: see [Note: waits for the device] in
+  ``device_wait.py``), at the end of each backward pass, and the step comes later still. The finite
+  check sums each shard on the device before the copy, so it reads nothing on the host.
 - host to device (``gather_updated_shards``): the master is pinned when the unit is built, so
-  ``copy_(non_blocking=True)`` is a real asynchronous copy, queued on the current stream before the
-  all-gather that reads the compute shard; the optimizer step (on the host) has finished writing
-  the master by then, and the next step writes it only after the host has waited for this step's
-  flags, which come after these copies on the same stream.
+  ``copy_(non_blocking=True)`` is a real asynchronous copy, queued on the ``"copy_in"`` side stream
+  (after it waited for the compute stream, which last used the compute shard), and the all-gather
+  that reads the compute shard is issued from that stream after it (``_copy_in``); the compute
+  stream waits only for the gather, where the parameters are used. The optimizer step (on the host)
+  has finished writing the master by then, and the next step writes it only after
+  ``wait_host_reads()`` has waited for the event recorded behind the copy.
 
 On a CPU build every copy is between host tensors and synchronous: the behaviour is the same.
 
@@ -98,23 +103,27 @@ after each step (a host-to-host cast). The device holds no piece of the unit bet
   CPU-only build nothing can be pinned and there is no device to copy to: the all-gather reads the
   host shard directly, and the results are those of the unit without offload.
 - Streams. ``_gather_source`` copies the host shard into a new device *staging* shard with
-  ``non_blocking=True`` on the current stream, then the all-gather reads the staging shard. The
-  collective (on NCCL's own stream) waits for the current stream at its launch, so it sees the
-  copied values; a prefetch (``unshard(async_op=True)``) queues the copy and then the all-gather, in
-  that order, and returns. The staging shard is dropped as soon as the collective is issued: the
-  caching allocator would reuse its block for work queued later on the current stream, but
-  ``ProcessGroupNCCL`` records its input on the collective's stream (or stashes it until the work is
-  waited for), so the block is not handed out again before the all-gather has read it.
+  ``non_blocking=True`` on the ``"copy_in"`` side stream, and the all-gather that reads the staging
+  shard is issued from that stream (``_copy_in``, which first makes it wait for the compute stream:
+  ``flat``'s new storage was allocated there). The collective (on NCCL's own stream) waits for the
+  side stream at its launch, so it sees the copied values; the compute stream waits for the
+  collective where the unit is used (``wait_gather``), and never for the copy itself (see [Note:
+  copies off the compute stream] in ``streams.py``). A prefetch (``unshard(async_op=True)``) queues
+  the copy and then the all-gather, in that order, and returns; a blocking gather is issued the same
+  way and then waited for on the compute stream. The collective keeps the staging shard until it is
+  waited for (``Pending``); the block then goes back to the side stream's pool, and the side stream's
+  next use of it comes after its next wait for the compute stream, which by then has waited for the
+  gather.
 - When the host may write the shard again. A queued copy reads the host shard *later*, when the
   stream reaches it. The host writes that memory in the optimizer step (the master is the shard when
   the dtypes match), in ``gather_updated_shards`` (the cast into the compute shard), and when values
   are loaded or written back (``load_full_flat``, ``take_writes``, ``adopt_rebound_data``). An event is
-  recorded behind each staging copy, and every one of those writers first calls
-  ``wait_host_reads()``, which synchronises the host with the event (free when the copy has landed,
-  which by the optimizer step it has: the gradient flags' ``tolist()`` at the end of backward already
-  waited for the stream behind every gather of the step).
-- Caching allocator. The staging shard is allocated per gather and freed at once; its block returns
-  to the caching allocator's pool and serves the next unit's staging shard, so the device's
+  recorded behind each staging copy (on the side stream), and every one of those writers first calls
+  ``wait_host_reads()``, which waits on the host for the event (free when the copy has landed, which by
+  the optimizer step it has: the gathers it fed were waited for by the compute stream long before).
+- Caching allocator. The staging shard is allocated per gather and freed once the gather is waited for;
+  its block returns to the side stream's pool in the caching allocator and serves the next unit's staging
+  shard, so the device's
   persistent parameter bytes are 0 and its peak grows by one staging shard per gather in flight (at
   most ``prefetch + 1``), ``1/N`` of a unit each.
 
@@ -127,16 +136,21 @@ from __future__ import annotations
 
 import enum
 import operator
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_zero.engine.comm.comm import Comm, Pending
+from lightning_zero.engine.comm.device_wait import wait_for_device
 from lightning_zero.engine.comm.labels import label
 from lightning_zero.engine.comm.quantized import all_gather_quantized, plan_blocks
 from lightning_zero.engine.core.layout import ParamShard, ShardLayout
 from lightning_zero.engine.core.ledger import GatherLedger
 from lightning_zero.engine.core.param_checks import check_unit_params
+from lightning_zero.engine.core.pinned import PinnedPool, pinned_copy
 from lightning_zero.engine.core.placeholder import (
     ShardedParameterReadError,
     ShardedParameterWriteError,
@@ -147,6 +161,7 @@ from lightning_zero.engine.core.placeholder import (
     reveal,
     settle,
 )
+from lightning_zero.engine.core.streams import Streams, cuda_streams
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _VERSION = operator.attrgetter("_version")
@@ -287,6 +302,13 @@ class ShardedUnit:
         )
         self.separate_master = self.dtype != self.master_dtype or self.offload
         self._pin = self.offload and self.device.type == "cuda"  # see [Note: offload copies]
+        # The host buffers the sharded gradients are copied into, reused step after step (see [Note: exact pinned
+        # memory] in pinned.py).
+        self.host_grads = PinnedPool() if self._pin else None
+        # The side streams of the copies between host and device (see [Note: copies off the compute stream] in
+        # streams.py): only where there are such copies (offload on CUDA). ``ShardedModel`` gives its units one set.
+        self.streams: Streams | None = cuda_streams(self.device) if self._pin else None
+        self.copied_to_host: Any = None  # the event behind the last copy of a sharded gradient to the host
 
         if full is None:
             full = self._flatten(self.master_dtype)
@@ -297,9 +319,10 @@ class ShardedUnit:
                 replicate.broadcast(full, src=0)
         start, end = self.layout.shard_range(comm.rank)
         if self.separate_master:
-            self.master = full[start:end].to(self.master_device, copy=True)
-            if self._pin:
-                self.master = self.master.pin_memory()
+            if self._pin:  # see [Note: exact pinned memory] in pinned.py
+                self.master = pinned_copy(full[start:end])
+            else:
+                self.master = full[start:end].to(self.master_device, copy=True)
             self.flat = full if self.dtype == self.master_dtype else full.to(self.dtype)
             del full
             self.shard: torch.Tensor | None = None
@@ -327,9 +350,9 @@ class ShardedUnit:
         self._aliases: dict[int, torch.Tensor] = {}  # see ``adopt_rebound_data``
         self._gathering: Pending | None = None  # an all-gather into ``flat`` in flight (prefetch)
         self.ledger: GatherLedger | None = None  # told when the gathered storage is allocated and freed
-        self._host_read: torch.cuda.Event | None = None  # behind the last copy of the host shard to the device
+        self._host_read: Any = None  # an event behind the last copy that reads the host shard or master
         # Whether the sharded gradients last reduced hold no inf/NaN on any rank: True/False when known for
-        # every rank alike (set by GradReducer), None when unknown (accumulated onto earlier gradients).
+        # every rank alike (set by GradReducer, at the step: see [Note: flags read at the step]), None when unknown.
         self.grads_finite: bool | None = None
         self.shard_params = [self._make_shard_param(p, piece) for p, piece in zip(params, self.param_shards)]
         self.state = UnitState.UNSHARDED
@@ -350,7 +373,9 @@ class ShardedUnit:
 
     def _host_copy(self, source: torch.Tensor) -> torch.Tensor:
         """``source`` in the compute dtype, in (pinned, on CUDA) host memory: the offloaded compute shard."""
-        host = torch.empty(source.shape, dtype=self.dtype, device=self.master_device, pin_memory=self._pin)
+        if self._pin:
+            return pinned_copy(source, self.dtype)  # see [Note: exact pinned memory] in pinned.py
+        host = torch.empty(source.shape, dtype=self.dtype, device=self.master_device)
         host.copy_(source)
         return host
 
@@ -366,29 +391,76 @@ class ShardedUnit:
 
     def _gather_source(self) -> torch.Tensor:
         """This rank's compute-dtype shard on the compute device, the input of every all-gather of the
-        parameters (a staging copy of the host shard under ``offload_params``: see [Note: parameter offload])."""
+        parameters (a staging copy of the host shard under ``offload_params``: see [Note: parameter offload]).
+        With side streams, call inside ``_copy_in``, which the gather is issued from too."""
         if self.shard is None:
             return self.master.to(device=self.device, dtype=self.dtype)
-        if self.shard.device == self.device:
+        staged = self.offload_params and (self.shard.device != self.device or self.streams is not None)
+        if not staged:
             return self.shard
-        staging = self.shard.to(self.device, non_blocking=True)
-        if staging.is_cuda:
+        staging = torch.empty(self.shard.shape, dtype=self.shard.dtype, device=self.device)
+        staging.copy_(self.shard, non_blocking=True)
+        self._record_host_read()
+        return staging
+
+    @contextmanager
+    def _copy_in(self) -> Iterator[None]:
+        """Inside: the current stream is the side stream of copies to the device, after it waited for the compute
+        stream (see [Note: copies off the compute stream] in ``streams.py``); nothing without side streams. What is
+        issued inside may not be waited for inside: a collective is issued with ``async_op=True`` and waited for
+        after, on the compute stream."""
+        streams = self.streams
+        if streams is None:
+            yield
+            return
+        side = streams.side_stream("copy_in")
+        side.wait_stream(streams.current_stream())
+        with streams.on(side):
+            yield
+
+    def _record_host_read(self) -> None:
+        """Record an event behind the copy just queued from host memory (``wait_host_reads`` waits for it)."""
+        if self.streams is not None:
+            event = self.streams.new_event()
+            event.record(self.streams.current_stream())
+            self._host_read = event
+        elif self.device.type == "cuda":
             self._host_read = torch.cuda.Event()
             self._host_read.record()
-        return staging
 
     def wait_host_reads(self) -> None:
         """Before the host writes the host shard (or the master it may be): wait until every copy of it to the
         device queued so far has read it (see [Note: parameter offload]). Free when there is none."""
-        if self._host_read is not None:
-            self._host_read.synchronize()
+        if self._host_read is not None:  # (polled, through the stall report: see device_wait.py)
+            wait_for_device(self.comm, self._host_read, f"the host shard of {self.name!r} read by its copies")
             self._host_read = None
 
     def _refresh_shard(self, non_blocking: bool = False) -> None:
         """Copy the master into the compute shard where that is a tensor of its own (``non_blocking`` for a
-        copy from the pinned master to the device: see [Note: offload copies])."""
+        copy from the pinned master to the device: see [Note: offload copies]), once an all-gather in flight that
+        reads it or writes it is done.
+
+        [Note: a refresh waits for the gather in flight]
+        The compute shard is what an all-gather of the unit reads (stage 3 with ``offload``; the staging copy of
+        ``offload_params`` is read from it), and under stages 1 and 2 it is a view of ``flat``, which the all-gather
+        writes (this rank's chunk included). A refresh while such a gather is in flight (a post-step gather not yet
+        waited for, a prefetch) would race it: on NCCL the gather runs on its own stream, which waited for the
+        compute stream only up to its issue, so the refresh's copy could land before the gather read the old
+        values, or the gather could write the old values over the refreshed ones; on gloo the gather's thread reads
+        and writes the same memory. So the refresh first waits for the gather (``_finish_gather``: on NCCL a stream
+        wait, the host does not block). ``gather_updated_shards`` refreshed before its own wait for the gather;
+        no caller reached that with a gather in flight (an optimizer step reveals its units first, which waits;
+        ``load_full_flat`` waits first), but nothing made it so: the wait is here, for every caller.
+        """
         if self.separate_master and self.shard is not None and self.shard is not self.master:
+            if self._gathering is not None:
+                self._finish_gather()  # see [Note: a refresh waits for the gather in flight]
             self.wait_host_reads()
+            if non_blocking and self.streams is not None and not self.offload_params:  # host master -> device shard
+                with self._copy_in():  # see [Note: copies off the compute stream] in streams.py
+                    self.shard.copy_(self.master, non_blocking=True)
+                    self._record_host_read()
+                return
             self.shard.copy_(self.master, non_blocking=non_blocking and self.shard.device != self.master.device)
 
     # ------------------------------------------------------------------ parameters
@@ -403,22 +475,49 @@ class ShardedUnit:
                 storage.resize_(self.layout.padded_numel * self.flat.element_size())
                 if self.ledger is not None:
                     self.ledger.add(self.name, storage.nbytes())
-                with torch.no_grad():
+                # From the copy-in stream with side streams, then waited for on the compute stream (below).
+                issue_async = async_op or self.streams is not None
+                with torch.no_grad(), self._copy_in():
                     # Which unit is gathered when depends on the model's control flow: checked (see
                     # [Note: collective checks] in sequence.py).
                     source = self._gather_source()
                     if self.block_plan is not None and self.quantize_weights:
                         self._gathering = all_gather_quantized(
-                            self.comm, self.flat, source, self.block_plan, name=self.name, guard=True, async_op=async_op
+                            self.comm,
+                            self.flat,
+                            source,
+                            self.block_plan,
+                            name=self.name,
+                            guard=True,
+                            async_op=issue_async,
                         )
                     else:
                         self._gathering = self.comm.all_gather(
-                            self.flat, source, name=self.name, guard=True, async_op=async_op
+                            self.flat, source, name=self.name, guard=True, async_op=issue_async
                         )
                     self.holds_quantized = self.quantize_weights is not None
             self.state = UnitState.UNSHARDED
         if not async_op:
             self.wait_gather()
+
+    def serve_gather(self) -> None:
+        """Take part in another rank's all-gather of this unit, the one its ``unshard()`` issues, into a buffer of
+        its own that is dropped at once: this unit's state, storage and parameters are left as they are, so it may
+        be called at any point, even while this unit is being gathered (a rank that serves the no-grad forwards of
+        the ranks still running them: see [Note: joined forwards] in ``schedule/joined.py``)."""
+        with label("ZeRO::serve_gather", self.name), torch.no_grad():
+            scratch = torch.empty(self.layout.padded_numel, dtype=self.flat.dtype, device=self.flat.device)
+            issue_async = self.streams is not None  # issued from the copy-in stream, waited for on the compute one
+            with self._copy_in():
+                source = self._gather_source()
+                if self.block_plan is not None and self.quantize_weights:
+                    pending = all_gather_quantized(
+                        self.comm, scratch, source, self.block_plan, name=self.name, guard=True, async_op=issue_async
+                    )
+                else:
+                    pending = self.comm.all_gather(scratch, source, name=self.name, guard=True, async_op=issue_async)
+            if pending is not None:
+                pending.wait()
 
     @property
     def gather_in_flight(self) -> bool:
@@ -586,9 +685,14 @@ class ShardedUnit:
             if self.reshard_after_forward and self.state is not UnitState.UNSHARDED:
                 return None
             self.wait_gather()
-            with label("ZeRO::gather", self.name):
+            issue_async = async_op or self.streams is not None  # from the copy-in stream, after the refresh
+            with label("ZeRO::gather", self.name), self._copy_in():
                 self.holds_quantized = False  # gathered exactly (see [Note: quantized collectives])
-                return self.comm.all_gather(self.flat, self._gather_source(), name=self.name, async_op=async_op)
+                pending = self.comm.all_gather(self.flat, self._gather_source(), name=self.name, async_op=issue_async)
+            if pending is not None and not async_op:
+                pending.wait()  # (on the compute stream)
+                return None
+            return pending
 
     def after_master_loaded(self) -> None:
         """After this rank's master shard was written in place (pretrained weights, see [Note: pretrained weights

@@ -59,6 +59,7 @@ class Step(NamedTuple):
         if self.source is None:
             self.target.unlink(missing_ok=True)
         else:
+            self.target.parent.mkdir(exist_ok=True)  # a subfolder (peft's adapters other than "default")
             os.replace(self.source, self.target)
         fsync_directory(self.target.parent)
 

@@ -67,6 +67,12 @@ _DETERMINISTIC = {"constant_", "ones_", "zeros_", "eye_", "dirac_"}
 _NOT_NEEDED = object()  # transformers < 5 initializes on meta by itself
 
 
+def _skipped_when_empty(functions: dict[CodeType, Any]) -> set[CodeType]:
+    """The ``torch.nn.init`` functions that hand themselves to the torch function modes (``handle_torch_function``),
+    which Lightning's ``_EmptyInit`` (``init_module(empty_init=True)``) therefore skips."""
+    return {code for code in functions if "handle_torch_function" in code.co_names}
+
+
 def _init_functions() -> dict[CodeType, Any]:
     functions = {}
     for name in dir(nn.init):
@@ -83,10 +89,11 @@ class CallRecorder(Protocol):
     device: torch.device
     calls_observed: bool
     generator_state_read: bool
+    empty_init: bool
     suppressed: int
     library_modules: Any  # a WeakSet of modules
 
-    def add_call(self, function: Any, arguments: dict[str, Any], random: bool) -> None: ...
+    def add_call(self, function: Any, arguments: dict[str, Any], random: bool, isolated: bool = False) -> None: ...
 
     def add_seed(self, generator: torch.Generator) -> None: ...
 
@@ -104,6 +111,7 @@ class InitCallObserver:
     def __init__(self, trace: CallRecorder) -> None:
         self.trace = trace
         self.init_functions = _init_functions()
+        self.skipped_when_empty = _skipped_when_empty(self.init_functions)
         self._init_weights_code: Any = None
         self._recording: list[FrameType] = []  # frames of the init calls being recorded whole
         self.pending: list[tuple[FrameType, Any]] = []  # (init_weights frame, its model) to initialize
@@ -156,7 +164,8 @@ class InitCallObserver:
             if not self._recording and _is_meta(frame.f_locals.get("tensor")):
                 names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
                 arguments = {n: frame.f_locals[n] for n in names}
-                self.trace.add_call(function, arguments, random=code.co_name not in _DETERMINISTIC)
+                isolated = self.trace.empty_init and code in self.skipped_when_empty  # see InitStep.isolated
+                self.trace.add_call(function, arguments, random=code.co_name not in _DETERMINISTIC, isolated=isolated)
             if self._recording or _is_meta(frame.f_locals.get("tensor")):
                 self._recording.append(frame)
                 self.trace.suppressed += 1

@@ -95,6 +95,11 @@ class InitStep:
     empty: bool = False  # creates memory without values (torch.empty)
     real_inputs: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (tensor, its version then)
     value: torch.Tensor | None = None
+    # A ``torch.nn.init`` call that ``init_module(empty_init=True)`` skips (as Lightning's ``_EmptyInit`` does under
+    # DDP): replayed only if nothing overwrites what it writes, with the random generators' states put back after
+    # it, so the random stream later code draws from is the one DDP's draws from (see [Note: writes after the build
+    # block] in ``continued.py``).
+    isolated: bool = False
 
     @property
     def name(self) -> str:
@@ -123,6 +128,10 @@ class InitTrace:
     # The modules of the transformers models whose ``init_weights`` ran while recording: the ones their library
     # initializes. A module added later (peft's LoRA layers) is initialized by its own code, recorded as any other.
     library_modules: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    building: bool = False  # inside the build (meta is the default device), not in its continuation
+    # ``fabric.init_module(empty_init=True)``: the ``torch.nn.init`` calls Lightning's ``_EmptyInit`` skips are
+    # skipped while building, as DDP's build skips them (see [Note: writes after the build block] in continued.py).
+    empty_init: bool = False
 
     def add_op(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self.suppressed:
@@ -158,8 +167,9 @@ class InitTrace:
             )
         )
 
-    def add_call(self, function: Any, arguments: dict[str, Any], random: bool) -> None:
-        """A ``torch.nn.init`` function called on the meta tensor ``arguments["tensor"]``, recorded whole."""
+    def add_call(self, function: Any, arguments: dict[str, Any], random: bool, isolated: bool = False) -> None:
+        """A ``torch.nn.init`` function called on the meta tensor ``arguments["tensor"]``, recorded whole
+        (``isolated``: one that ``empty_init=True`` skips, see ``InitStep.isolated``)."""
         leaves = tree_flatten(arguments)[0]
         self._see(leaves)
         written = TensorRef.of(arguments["tensor"])
@@ -172,9 +182,10 @@ class InitTrace:
                 outputs=[],
                 writes=[written],
                 reads=[r for r in reads if r != written],
-                random=random,
+                random=random and not isolated,
                 overwrites=True,
                 real_inputs=_real_inputs(leaves),
+                isolated=isolated,
             )
         )
 
@@ -203,13 +214,14 @@ class InitTrace:
                 changed.append(name)
         return changed
 
-    def end_of_recording(self) -> None:
-        """The versions as the build leaves them (a write through a view during the build bumps its base's too)."""
+    def end_of_recording(self, written: set[int] | None = None) -> None:
+        """The versions as the build leaves them (a write through a view during the build bumps its base's too);
+        ``written``: only for the tensors on these storages (the ones recorded steps wrote)."""
         for key, (ref, _) in list(self.versions.items()):
             tensor = ref()
             if tensor is None:
                 del self.versions[key]
-            else:
+            elif written is None or storage_key(tensor) in written:
                 self.versions[key] = (ref, tensor._version)
 
     def add_constant(self, meta: torch.Tensor, value: torch.Tensor) -> None:
@@ -295,6 +307,8 @@ class _FunctionRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.trace.empty_init and getattr(func, "__module__", None) == "torch.nn.init":
+            return kwargs["tensor"] if "tensor" in kwargs else args[0]  # as Lightning's _EmptyInit (InitStep.isolated)
         if self.observer.pending:
             with self:  # this mode is off while it handles a call: on again for what the initialization calls
                 self.observer.run_pending()
@@ -342,21 +356,26 @@ def refuse_plain_from_pretrained() -> Iterator[None]:
         ) from error
 
 
-def active_recording() -> InitTrace | None:
-    """The trace of the ``record_meta_init`` in progress on this thread, if any (a model being built on meta)."""
+def active_recording(building: bool = True) -> InitTrace | None:
+    """The trace of the ``record_meta_init`` in progress on this thread, if any: a model being built on meta
+    (``building``), or also one whose build ended and whose recording continues until setup (``building=False``,
+    see [Note: writes after the build block] in ``continued.py``)."""
     from torch.overrides import _get_current_function_mode_stack
 
     for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, _FunctionRecorder):
+        if isinstance(mode, _FunctionRecorder) and (mode.trace.building or not building):
             return mode.trace
     return None
 
 
 @contextmanager
-def record_meta_init(device: torch.device | None = None, trace: InitTrace | None = None) -> Iterator[InitTrace]:
+def record_meta_init(
+    device: torch.device | None = None, trace: InitTrace | None = None, empty_init: bool = False
+) -> Iterator[InitTrace]:
     """Build on the meta device and record how the model is initialized, for ``materialize_units`` to replay
     on ``device`` (default: the CPU) one unit at a time (see [Note: meta init] in ``materialize.py``).
-    Given the ``trace`` of an earlier recording, record more of the same build into it (a cast at setup)."""
+    Given the ``trace`` of an earlier recording, record more of the same build into it (a cast at setup).
+    ``empty_init``: skip the ``torch.nn.init`` calls that Lightning's ``init_module(empty_init=True)`` skips."""
     if trace is None:
         trace = InitTrace(device=torch.device(device or "cpu"))
         trace.rng_state = generator_state(trace.device)
@@ -369,5 +388,9 @@ def record_meta_init(device: torch.device | None = None, trace: InitTrace | None
         stack.enter_context(_FunctionRecorder(trace, observer))
         stack.enter_context(_OpRecorder(trace))
         stack.enter_context(observer)
-        yield trace
+        trace.building, trace.empty_init = True, empty_init
+        try:
+            yield trace
+        finally:
+            trace.building = trace.empty_init = False
     trace.end_of_recording()

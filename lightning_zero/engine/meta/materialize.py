@@ -55,6 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -70,6 +71,7 @@ from lightning_zero.engine.meta.init_trace import (
     InitTrace,
     MetaInitError,
     TensorRef,
+    generator_state,
     set_generator_state,
     storage_key,
 )
@@ -91,6 +93,19 @@ class _Memory:
         itemsize = ref.dtype.itemsize
         typed = self.bytes.view(ref.dtype)
         return torch.as_strided(typed, ref.size, ref.stride, self.byte_offset // itemsize + ref.offset)
+
+
+def _without_drawing(device: torch.device, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` with the random generators it may draw from put back afterwards: the device's
+    default one and any it is given (see ``InitStep.isolated``)."""
+    generator = kwargs.get("generator")
+    saved = generator_state(device), (generator.get_state() if isinstance(generator, torch.Generator) else None)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        set_generator_state(device, saved[0])
+        if saved[1] is not None:
+            generator.set_state(saved[1])
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -145,12 +160,10 @@ def materialize_units(
     changed = trace.changed_after_recording(metas)
     if changed:
         raise MetaInitError(
-            f"{len(changed)} tensor(s) built on the meta device were written after the build ended (after "
-            f"configure_model returned, or after the `with fabric.init_module():` block): {', '.join(changed[:8])}. "
-            "On the meta device such writes do nothing and are not recorded, so the model would start from other "
-            "values than that code gives. Move the initialization into configure_model, or inside the "
-            "`with fabric.init_module():` block (LitGPT: call initialize_weights(fabric, model, ...) there), or pass "
-            "meta_init=False."
+            f"{len(changed)} tensor(s) built on the meta device were written in place by code the meta-init recording "
+            f"cannot see (not a torch operation): {', '.join(changed[:8])}. On the meta device such a write does "
+            "nothing, so the model would start from other values than that code gives. Write them with torch "
+            "operations (tensor.copy_(...), torch.nn.init), or pass meta_init=False."
         )
     trace.versions.clear()  # its weak references would keep the parameters from keeping their identity
     if trace.generator_state_read:
@@ -211,10 +224,9 @@ class _Replay:
         unknown += ["a tensor they were computed from"] * len(unknown_keys - set(names))
         if unknown:
             raise MetaInitError(
-                f"{len(unknown)} tensor(s) were on the meta device before meta_init began recording, were made on it "
-                "after the build ended (after configure_model, or after the `with fabric.init_module():` block), or "
-                f"were made by code that bypasses the dispatcher, so their values are unknown: {', '.join(unknown[:8])}"
-                ". Create them inside configure_model or the init_module block (not in __init__ under "
+                f"{len(unknown)} tensor(s) were on the meta device before meta_init began recording, or were made "
+                f"by code that bypasses the dispatcher, so their values are unknown: {', '.join(unknown[:8])}. "
+                "Create them inside configure_model or the init_module block (not in __init__ under "
                 "torch.device('meta')), or pass meta_init=False."
             )
         self.bound = {
@@ -272,7 +284,12 @@ class _Replay:
         if not skip:
             touched = versions.touched
             args, kwargs = tree_map(lambda x: self._resolve(x, touched), (step.args, step.kwargs))
-            out = step.value if step.func is None else step.func(*args, **kwargs)
+            if step.func is None:
+                out = step.value
+            elif step.isolated:
+                out = _without_drawing(self.device, step.func, args, kwargs)
+            else:
+                out = step.func(*args, **kwargs)
             for leaf, ref in zip(tree_flatten(out)[0], step.outputs):
                 if ref is not None:
                     self._adopt(ref, leaf)

@@ -17,8 +17,10 @@ does with its own hooks. Dynamo cannot trace across such a call: its graph ends 
 is called, the hooks run eagerly, and the unit's own ``forward`` is compiled as a frame of its own
 (its parameters are gathered by then). So:
 
-- **Stages 1 and 2** install no module hook (their gradient hooks fire in autograd's engine after the
-  compiled backward produced the gradient): a compiled module gives DDP's graphs.
+- **Stages 1 and 2** install no module hook inside compiled code (their gradient hooks fire in autograd's
+  engine after the compiled backward produced the gradient; the forward pre-hooks that wait for each unit's
+  post-step gather go only on modules outside compiled code, and do nothing when traced: see [Note: each unit
+  waits for its own gather] in ``arrivals.py``): a compiled module gives DDP's graphs.
 - **Stage 3** breaks the graph wherever compiled code calls a unit. With one unit per module that owns
   parameters (``unit_modules=[nn.Linear, nn.LayerNorm, ...]``), each ``Linear`` and ``LayerNorm`` is one, so
   little is fused. With transformer blocks as units (``unit_modules=[Block]``, or the default's repeated
@@ -69,3 +71,17 @@ def outside_graphs(hook: Callable[..., object]) -> EngineHook:
         module.register_forward_pre_hook(outside_graphs(gather_unit))
     """
     return _EagerHook(hook)
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs as compiled code (``torch.compile(module)`` or ``module.compile()``)."""
+    return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def modules_in_compiled_code(root: torch.nn.Module) -> set[int]:
+    """The ids of ``root``'s modules that run inside compiled code now: each compiled module and what it contains."""
+    inside: set[int] = set()
+    for module in root.modules():
+        if is_compiled(module):
+            inside.update(id(m) for m in module.modules())
+    return inside

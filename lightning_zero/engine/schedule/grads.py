@@ -72,12 +72,38 @@ finite) and raises if the shard holds an inf or NaN that the slot did not announ
 ranks, which cannot know, stop at their next collective with its error (``PeerFailureError``):
 an error everywhere, never a step silently applied with an inf.
 
-So the host reads the slots (and the shards' sums) once per step. When every slot
-is 0, every parameter that requires a gradient was used everywhere and all are finite: no other
-collective. Otherwise (parameters unused on some rank, non-finite gradients), and on the first
-backward pass (which settles the reduce order), one small all-reduce of per-parameter records
-and per-unit finiteness follows. A sharded gradient is a view of the reduce-scatter output, kept
-as the ``.grad`` of the parameter's ``shard_param``; later micro-batches add into it.
+So the host reads the slots (and the shards' sums) once per optimizer step, not once per backward
+pass (see [Note: flags read at the step]). When every slot is 0, every parameter that requires a
+gradient was used everywhere and all are finite: no other collective. Otherwise (parameters unused
+on some rank, non-finite gradients), and on the first backward pass (which settles the reduce
+order), one small all-reduce of per-parameter records and per-unit finiteness follows. A sharded
+gradient is a view of the reduce-scatter output, kept as the ``.grad`` of the parameter's
+``shard_param``; later micro-batches add into it.
+
+[Note: flags read at the step]
+DDP and FSDP2 end backward without waiting for the device; reading the slots there would make the host
+wait for every kernel of backward, once per micro-batch under stages 2 and 3. Nothing on the host needs
+them before the optimizer step, so from the second reducing backward pass on, ``_attach_pending``
+attaches every reduced shard as if every slot were 0 (the common case), and queues the slots and each
+unit's gradient sum for the host (``HostValues``: a copy into pinned memory, an event behind it). The
+flags of every backward pass since the last step are read together by ``settle``, which every path
+that acts on the sharded gradients calls first, on every rank at the same point: the optimizer step
+(``ShardedModel.settle_grads``, from the step's pre-hook, ``on_shards`` and the precision plugins),
+``nonfinite_grads``, ``grad_norm``, ``drop_grads``; and the end of a backward pass that leaves
+``MAX_UNCHECKED`` passes unread. ``settle`` then does what the end of backward used to do, in the
+order of the passes: where a pass's slots were all 0 nothing changes, and each unit's ``grads_finite``
+is known; where one was not, one all-reduce (for all such passes together) says which parameters some
+rank used and which units hold an inf or NaN, and the sharded gradients that no rank made since they
+were last started afresh are dropped again (with their markers). An added shard of zeros leaves the
+sum it is added to as it was (bitwise, but for the sign of a zero). The sum that ``check_finite``
+reads is, for a unit whose gradients accumulate over micro-batches, the sum of what it holds after
+the addition: so the finiteness of an accumulated gradient is known from the same read (finite
+values whose addition overflows are this rank's overflow, as below). Until ``settle``, a parameter
+that no rank used shows a marker as its ``.grad``, and ``grads_finite`` keeps its last value: the
+engine's readers settle first. The one host read that is left is the step's, where the
+``nonfinite_grads`` policy decides on the host whether the step runs anyway (DDP's ``GradScaler``
+reads its found-inf flag in ``step()`` for the same reason); on a CUDA device it waits through the
+stall report (see [Note: waits for the device] in ``device_wait.py``).
 
 [Note: gradient markers]
 The user's optimizer holds the module's parameters (see [Note: parameters outside their unit's
@@ -115,15 +141,18 @@ from torch import nn
 from torch.autograd import Variable
 
 from lightning_zero.engine.comm.comm import Comm
+from lightning_zero.engine.comm.device_wait import DeviceEvent, HostValues, read_on_host, record_event, wait_for_device
 from lightning_zero.engine.comm.labels import label
+from lightning_zero.engine.core.pinned import PinnedPool
 from lightning_zero.engine.core.placeholder import check_conversion, passthrough
 from lightning_zero.engine.core.unit import ShardedUnit
 from lightning_zero.engine.errors import ShardedGradientError
-from lightning_zero.engine.schedule.reduce import ReducedGrads, reduce_grads, reduce_numel
+from lightning_zero.engine.schedule.reduce import ReducedGrads, host_copies_event, reduce_grads, reduce_numel
 
 UnitCallback = Callable[[ShardedUnit], None]
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _aten = torch.ops.aten
+MAX_UNCHECKED = 64  # backward passes whose flags may wait for ``settle`` (see [Note: flags read at the step])
 
 
 class GradMarker(torch.Tensor):
@@ -225,6 +254,10 @@ class GradReducer:
         self._callback_queued = False
         self._in_flight: deque[ReducedGrads] = deque()
         self._pending: list[_Reduced] = []
+        # Backward passes attached before their flags were read (see [Note: flags read at the step]), and the pinned
+        # host buffers their flags are copied into on CUDA (one per pass until the step: accumulation keeps several).
+        self._unchecked: list[_Unchecked] = []
+        self._flag_buffers = PinnedPool(keep=8)
         self._expected: dict[ShardedUnit, int] = {}  # per backward: parameters that require a gradient now
         # See [Note: gradient markers]: each parameter's marker, and the parameters whose marker was intact
         # when a new gradient arrived (their sharded gradient accumulates).
@@ -440,8 +473,10 @@ class GradReducer:
         self._pending.append(_Reduced(reduced.unit, shard, reduced.had_grad, reduced.total, reduced.unused_anywhere))
 
     def drop_buffers(self) -> None:
-        """Free the reusable gradient buffers (each backward pass drops them when it ends)."""
+        """Free the reusable gradient buffers (each backward pass drops them when it ends) and the flags' pinned
+        ones."""
         self._pool.clear()
+        self._flag_buffers.clear()
 
     def finish_backward(self) -> None:
         """Reduce what is left, decide which sharded gradients exist, attach them."""
@@ -472,58 +507,178 @@ class GradReducer:
             return
         pending = self._pending
         device = self.order[0].device
-        proposal = None if self.order_agreed else self._proposed_order()
+        if self.order_agreed:
+            # See [Note: flags read at the step]: attached as if every slot were 0, the flags read by ``settle``.
+            self._synchronize_copies(pending, device)
+            self._unchecked.append(self._attach_unchecked(pending, device))
+            if len(self._unchecked) >= MAX_UNCHECKED:  # (the same count on every rank: each ran these passes)
+                self.settle()
+            return
+        # The first reducing backward pass: the recorded order is settled now, in one small all-reduce (MAX: "on
+        # any rank", which cannot overflow at any world size) that also carries which parameters got a gradient
+        # and, per unit, whether its reduced gradients hold an inf or NaN (see ``ShardedUnit.grads_finite``; only
+        # when ``check_finite``). Its read is this pass's one read on the host.
+        self.settle()
+        proposal = self._proposed_order()
         had = [flag for reduced in pending for flag in reduced.had_grad]
-        totals = torch.stack([r.total.to(device) for r in pending]) if self.check_finite else None
-        if proposal is None:
-            # The common case: the reductions' own slots say whether any rank left a parameter unused or (with
-            # ``check_finite``) holds an inf or NaN (see [Note: which gradients exist]); one read on the host.
-            parts = [r.unused_anywhere.float() for r in pending]
-            if totals is not None:
-                parts.append(totals)
-            values = torch.cat(parts).tolist()
-            slots, peaks = values[: len(pending)], values[len(pending) :]
-            if all(slot == 0 for slot in slots):  # NaN and positive slots both fail this
-                # A shard whose sum is not finite although no rank's gradients were: look at its elements (a sum
-                # of finite values can overflow; rare, and only this rank reads them).
-                overflowed = [
-                    r.unit.name
-                    for r, total in zip(pending, peaks)
-                    if not math.isfinite(total) and not bool(torch.isfinite(r.shard).all())
-                ]
-                if overflowed:
-                    raise _overflow_error(overflowed)
-                self._synchronize_copies(pending, device)
-                self._attach(pending, [True] * len(had), [False] * len(pending) if self.check_finite else None)
-                return
-        # One small all-reduce (MAX: "on any rank", which cannot overflow at any world size) carries which
-        # parameters got a gradient, per unit whether its reduced gradients hold an inf or NaN (see
-        # ``ShardedUnit.grads_finite``; only when ``check_finite``), and, once, the hash of the recorded reduce
-        # order (see [Note: reduce order]). Its ``tolist()`` is the step's one read on the host.
         parts = [torch.tensor(had, dtype=torch.uint8).to(device, non_blocking=True)]
-        if totals is not None:
+        if self.check_finite:
             # A sum is inf or NaN if any element is (and, rarely, when finite values overflow: that only sends the
             # check down its exact path); summed on the device before any copy to the host.
+            totals = torch.stack([r.total.to(device) for r in pending])
             parts.append((~torch.isfinite(totals)).to(torch.uint8))
-        if proposal is not None:
-            parts.append(torch.tensor(_order_hash(self.units, proposal), dtype=torch.uint8).to(device))
+        parts.append(torch.tensor(_order_hash(self.units, proposal), dtype=torch.uint8).to(device))
         combined = torch.cat(parts)
         self.comm.all_reduce(combined, op=dist.ReduceOp.MAX)
-        flags = combined.tolist()
+        flags = read_on_host(self.comm, combined, "which gradients exist, settling the reduce order")
         self._synchronize_copies(pending, device)
         used, flags = flags[: len(had)], flags[len(had) :]
         nonfinite_anywhere = None
         if self.check_finite:
             nonfinite_anywhere, flags = flags[: len(pending)], flags[len(pending) :]
-        if proposal is not None:
-            self._settle_order(proposal, flags)
+        self._settle_order(proposal, flags)
         self._attach(pending, used, nonfinite_anywhere)
 
-    @staticmethod
-    def _synchronize_copies(pending: list[_Reduced], device: torch.device) -> None:
+    def _synchronize_copies(self, pending: list[_Reduced], device: torch.device) -> None:
+        """Wait for the copies of this pass's sharded gradients to the host, if any (see [Note: offload copies] in
+        ``unit.py``: the host adds into them), through the stall report."""
         copies = _event_after_host_copies(pending, device)
-        if copies is not None:
-            copies.synchronize()  # see [Note: offload copies]
+        wait_for_device(self.comm, copies, "the sharded gradients' copies to the host")
+
+    def _attach_unchecked(self, pending: list[_Reduced], device: torch.device) -> _Unchecked:
+        """Attach every reduced shard as if no rank had left a parameter unused (see [Note: flags read at the
+        step]); queue this pass's flags for the host; return what ``settle`` needs to undo that where it was
+        wrong."""
+        started: list[list[bool | None]] = []
+        fresh_units: list[bool] = []
+        sums: list[torch.Tensor] = []
+        with passthrough():  # stage 3 has freed most units by now: their parameters' ``.grad`` is read directly
+            for reduced in pending:
+                unit = reduced.unit
+                params, shard_params = unit.params, unit.shard_params
+                fresh = self.drop_unwanted(params, shard_params)  # (zeroed by the user since the last reduction)
+                made: list[bool | None] = []
+                for param, shard_param, region in zip(params, shard_params, unit.piece_views(reduced.shard)):
+                    if not param.requires_grad:
+                        made.append(None)
+                    elif shard_param.grad is None:
+                        shard_param.grad = region
+                        made.append(True)
+                    else:
+                        shard_param.grad.add_(region)
+                        made.append(False)
+                self.put_markers(params, shard_params)
+                started.append(made)
+                fresh_units.append(fresh)
+                if self.check_finite:
+                    # What the unit's sharded gradients hold now: this shard, or the sum it was added to.
+                    sums.append(reduced.total if fresh else _grad_sum(shard_params, device))
+        parts = [r.unused_anywhere.float() for r in pending]
+        if sums:
+            parts.append(torch.stack([total.to(device) for total in sums]))
+        return _Unchecked(
+            [r.unit for r in pending],
+            [r.had_grad for r in pending],
+            fresh_units,
+            started,
+            HostValues(torch.cat(parts), self._flag_buffers.take),
+            self.check_finite,
+        )
+
+    def settle(self) -> None:
+        """Read the flags of the backward passes attached since the last call and act on them (see [Note: flags
+        read at the step]): drop the sharded gradients that no rank made, set each unit's ``grads_finite``, raise
+        if this rank's reduced gradients overflowed. Call on every rank at the same point (one all-reduce when some
+        pass had a parameter unused on some rank, or an inf or NaN); nothing when there is nothing to read."""
+        records, self._unchecked = self._unchecked, []
+        if not records:
+            return
+        with label("ZeRO::settle_grads"):
+            for record in records:  # (each waited for; after the first one, normally at once)
+                record.flags.wait(self.comm, "reading the gradients' flags")
+            flat = torch.cat([r.flags.values for r in records]).tolist()  # host memory: one read for all
+            values, start = [], 0
+            for record in records:
+                values.append(flat[start : start + record.flags.values.numel()])
+                start += record.flags.values.numel()
+            exact = self._exact_flags(records, values)
+            with passthrough():
+                self._replay(records, values, exact)
+
+    def discard_unchecked(self) -> None:
+        """Forget the flags not read yet (the module is made plain: its sharded gradients go with it)."""
+        self._unchecked = []
+
+    def _exact_flags(self, records: list[_Unchecked], values: list[list[Any]]) -> dict[int, tuple[list, list]]:
+        """For each pass whose slots were not all 0 (the same passes on every rank: the slots are reduced values),
+        which parameters some rank used and which units hold an inf or NaN on some rank: one all-reduce (MAX) for
+        all of them."""
+        suspects = [j for j, (r, v) in enumerate(zip(records, values)) if any(slot != 0 for slot in v[: len(r.units)])]
+        if not suspects:
+            return {}
+        flat: list[int] = []
+        for j in suspects:
+            record, sums = records[j], values[j][len(records[j].units) :]
+            flat += [int(flag) for had in record.had_grad for flag in had]
+            flat += [int(not math.isfinite(total)) for total in sums]
+        combined = torch.tensor(flat, dtype=torch.uint8).to(self.order[0].device)
+        self.comm.all_reduce(combined, op=dist.ReduceOp.MAX)
+        anywhere = read_on_host(self.comm, combined, "which gradients exist")
+        exact: dict[int, tuple[list, list]] = {}
+        position = 0
+        for j in suspects:
+            record = records[j]
+            count = sum(map(len, record.had_grad))
+            used = anywhere[position : position + count]
+            position += count
+            sums = len(values[j]) - len(record.units)
+            exact[j] = (used, anywhere[position : position + sums])
+            position += sums
+        return exact
+
+    def _replay(self, records: list[_Unchecked], values: list[list[Any]], exact: dict[int, tuple[list, list]]) -> None:
+        """Redo what the end of each backward pass would have done had it read its flags, in order (see [Note:
+        flags read at the step])."""
+        exists: dict[int, tuple[nn.Parameter, nn.Parameter, bool]] = {}  # by id(shard_param)
+        finite: dict[int, tuple[ShardedUnit, bool | None, float]] = {}  # by id(unit): grads_finite so far, its sum
+        for j, record in enumerate(records):
+            count = len(record.units)
+            sums = values[j][count:]
+            used, nonfinite = exact.get(j, (None, None))
+            position = 0
+            for i, unit in enumerate(record.units):
+                for k, (param, shard_param, made) in enumerate(zip(unit.params, unit.shard_params, record.started[i])):
+                    if made is None:
+                        continue
+                    here = used is None or bool(used[position + k])
+                    earlier = exists.get(id(shard_param), (param, shard_param, True))[2]
+                    exists[id(shard_param)] = (param, shard_param, here if made else earlier or here)
+                position += len(record.had_grad[i])
+                if not record.check_finite:
+                    finite[id(unit)] = (unit, None, 0.0)
+                    continue
+                bad = nonfinite is not None and bool(nonfinite[i])
+                if record.fresh[i]:
+                    known: bool | None = not bad
+                else:  # added to what the unit held: finite if that was and this is
+                    before = finite[id(unit)][1] if id(unit) in finite else unit.grads_finite
+                    known = False if bad or before is False else (True if before else None)
+                finite[id(unit)] = (unit, known, sums[i])
+        for param, shard_param, kept in exists.values():
+            if not kept:  # no rank made it since it was started afresh: as if it had never been attached
+                shard_param.grad = None
+                if isinstance(param.grad, GradMarker):
+                    param.grad = None
+                self._carry.discard(id(param))
+        overflowed = []
+        for unit, known, total in finite.values():
+            # Finite everywhere as far as the slots say, but this rank's sum is not: look at its elements (a sum of
+            # finite values can overflow; rare, and only this rank reads them).
+            if known and not math.isfinite(total) and not _grads_finite_here(unit.shard_params):
+                overflowed.append(unit.name)
+            unit.grads_finite = known
+        if overflowed:
+            raise _overflow_error(overflowed)
 
     def _attach(self, pending: list[_Reduced], used: list[Any], nonfinite_anywhere: list[Any] | None) -> None:
         """Hand each reduced shard to the ``shard_params`` whose parameter some rank used (``used``, one entry
@@ -576,6 +731,30 @@ class _Reduced(NamedTuple):
     unused_anywhere: torch.Tensor  # the reduced unused-parameter slot: positive if some rank left one unused
 
 
+class _Unchecked(NamedTuple):
+    """One backward pass's reductions, attached before their flags were read (see [Note: flags read at the step])."""
+
+    units: list[ShardedUnit]
+    had_grad: list[list[bool]]  # per unit, per parameter: whether this rank produced a gradient
+    fresh: list[bool]  # per unit: whether its sharded gradients started afresh (``drop_unwanted``)
+    started: list[list[bool | None]]  # per unit, per parameter: gradient made here (True), added to (False), neither
+    flags: HostValues  # the units' slots, then (``check_finite``) the sums of what their sharded gradients hold
+    check_finite: bool
+
+
+def _grad_sum(shard_params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """The sum, in fp32 on ``device``, of the sharded gradients of ``shard_params`` (queued, never read here)."""
+    grads = [p.grad for p in shard_params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=device)
+    return torch.stack([g.sum(dtype=torch.float32).to(device) for g in grads]).sum()
+
+
+def _grads_finite_here(shard_params: list[nn.Parameter]) -> bool:
+    """Whether every element of this rank's sharded gradients is finite (a host read: only on the rare path)."""
+    return all(bool(torch.isfinite(p.grad).all()) for p in shard_params if p.grad is not None)
+
+
 def _overflow_error(units: list[str]) -> FloatingPointError:
     """This rank's reduced gradients hold an inf or NaN although no rank's gradients did: the sum overflowed in
     the reduce dtype here. The other ranks cannot know it (see [Note: which gradients exist]): this rank stops,
@@ -614,11 +793,13 @@ def _order_hash(units: list[ShardedUnit], order: list[ShardedUnit]) -> list[int]
     return data + [255 - b for b in data]
 
 
-def _event_after_host_copies(pending: list[_Reduced], device: torch.device) -> Any:
+def _event_after_host_copies(pending: list[_Reduced], device: torch.device) -> DeviceEvent | None:
     """A CUDA event recorded behind the copies of sharded gradients to the host, or ``None`` when there are none
-    (see [Note: offload copies])."""
+    (see [Note: offload copies] in ``unit.py``): the side streams' (see [Note: copies off the compute stream] in
+    ``core/streams.py``), else one on the current stream."""
+    copies = host_copies_event(r.unit for r in pending)
+    if copies is not None:
+        return copies
     if device.type != "cuda" or all(r.shard.device == device for r in pending):
         return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
+    return record_event(device)

@@ -30,6 +30,20 @@ random op runs. Memory: a selected module's activations live only during its own
 (``python -m lightning_zero dry-run --activation-checkpointing Block``) measures the difference, and the
 estimator counts what ``profile_activations`` measures with the same policy (see [Note: activation memory per
 unit] in ``lightning_zero/activations.py``).
+
+[Note: key/value caches under recomputation]
+A Hugging Face model (any module whose ``config`` has a boolean ``use_cache``, as transformers' configs do) fills a
+key/value cache in its forward by default, in training too (``config.use_cache=True``): each decoder layer appends
+its keys and values to the cache its model made for the call. A selected layer's recomputation in backward appends
+them a second time and sees a cache twice as long, so torch's checkpoint stops with ``CheckpointError: ...
+Recomputed values for the following tensors have different metadata`` (plain torch fails the same way).
+transformers' own ``gradient_checkpointing_enable`` turns the cache off in training for this reason, with a
+warning when the call asked for it. So does the policy: every such module that holds a selected module runs its
+forward with ``config.use_cache`` off while it is in train mode with gradients enabled (when the recomputation
+happens), an explicit ``use_cache=True`` keyword included (warned about once), and restores the config when the
+forward returns. The config keeps its value outside those calls (``config.json`` written by ``save_pretrained`` is
+unchanged), and evaluation, prediction and ``generate`` (under ``no_grad``, where nothing is recomputed) keep
+their cache.
 """
 
 from __future__ import annotations
@@ -39,6 +53,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_zero.engine.core.grouping import module_class_policy
@@ -115,7 +130,58 @@ def apply_activation_checkpointing(module: nn.Module, policy: Any) -> list[str]:
         return []
     for _, child in chosen:
         checkpoint(child)
+    _turn_caches_off_in_training(module, [child for _, child in chosen])
     return [name for name, _ in chosen]
+
+
+class _CacheOffInTraining:
+    """A forward pre-hook and a forward hook of a module with a ``config.use_cache``: while it runs in train mode
+    with gradients enabled, the cache is off (see [Note: key/value caches under recomputation]). Nested calls
+    (``LlamaForCausalLM`` calls ``LlamaModel``, which shares its config) each restore what they found."""
+
+    def __init__(self, selected: str) -> None:
+        self.selected = selected  # the class name of a module the policy recomputes, for the warning
+        self.found: list[Any] = []  # the config's value at each open call, innermost last
+        self.warned = False
+
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        recomputing = module.training and torch.is_grad_enabled()
+        self.found.append(module.config.use_cache if recomputing else None)
+        if not recomputing:
+            return None
+        module.config.use_cache = False
+        if kwargs.get("use_cache"):
+            if not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"use_cache=True is incompatible with activation_checkpointing_policy (the recomputation of "
+                    f"{self.selected} in backward would fill the key/value cache a second time): the cache is off "
+                    f"in {type(module).__name__}'s training forwards, as transformers' gradient_checkpointing_enable "
+                    "turns it off.",
+                    stacklevel=2,
+                )
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    def after(self, module: nn.Module, *_: Any) -> None:
+        found = self.found.pop() if self.found else None
+        if found is not None:
+            module.config.use_cache = found
+
+
+def _turn_caches_off_in_training(module: nn.Module, chosen: list[nn.Module]) -> None:
+    """Hooks on each module of ``module`` that has a ``config.use_cache`` and holds a module of ``chosen`` (see
+    [Note: key/value caches under recomputation])."""
+    selected = {id(child): child for child in chosen}
+    for candidate in module.modules():
+        if not isinstance(getattr(getattr(candidate, "config", None), "use_cache", None), bool):
+            continue
+        inside = next((m for m in candidate.modules() if id(m) in selected), None)
+        if inside is None:
+            continue
+        hooks = _CacheOffInTraining(type(inside).__name__)
+        candidate.register_forward_pre_hook(hooks.before, with_kwargs=True)
+        candidate.register_forward_hook(hooks.after, always_call=True)
 
 
 def _chooser(root: nn.Module, policy: Any) -> Callable[[nn.Module], bool]:

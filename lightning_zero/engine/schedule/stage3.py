@@ -25,7 +25,9 @@ step that leaves the recorded order (control flow that changed) simply stops pre
 rest of that pass, and units prefetched but not used are freed when the backward pass or the step
 ends. ``reshard_after_forward=False`` keeps each unit gathered from its forward until its gradients
 are reduced: no second all-gather in backward (``2Ψ`` instead of ``3Ψ`` communication) for the
-memory of all units at once.
+memory of all units at once. When a step runs several forwards under ``no_grad`` in a row (a generation loop,
+one per token), the first is prefetched as above, and each later one along an order of its own, recorded per
+first unit (see [Note: joined forwards] in ``joined.py``).
 
 The root unit (parameters the ``LightningModule`` owns directly, or weights tied across
 branches) is used outside any submodule's forward, in ``training_step`` itself: during a step
@@ -62,17 +64,24 @@ would break the graph once and force a recompile).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from lightning_zero.engine.comm.labels import label
+from lightning_zero.engine.core.grouping import ROOT_NAME
 from lightning_zero.engine.core.hooks import EngineHook
 from lightning_zero.engine.core.unit import ShardedUnit, UnitPhase
 from lightning_zero.engine.errors import FoldedModuleError
 from lightning_zero.engine.schedule.compiled import outside_graphs
+from lightning_zero.engine.schedule.joined import JoinedForwards
+from lightning_zero.engine.schedule.order import UnitOrder
+
+if TYPE_CHECKING:
+    from lightning_zero.engine.comm.comm import Comm
 
 
 class Stage3Hooks:
@@ -92,6 +101,7 @@ class Stage3Hooks:
         prefetch: int = 1,
         reshard_after_forward: bool = True,
         root: torch.nn.Module | None = None,
+        comm: Comm | None = None,
     ) -> None:
         self.units = units
         self.root = root  # the whole model: where compiled code is looked for (see [Note: folded modules])
@@ -101,16 +111,21 @@ class Stage3Hooks:
         # Which units backward still needs is their phase, PRE_BACKWARD (see [Note: unit lifecycle] in unit.py).
         self.held: set[ShardedUnit] = set()
         self._handles: list[Any] = []
-        self.forward_order = _Order()
-        self.backward_order = _Order()
-        self.eval_order = _Order()  # the forward of evaluation steps (see [Note: prefetch])
-        self._pass_order: _Order | None = None  # the forward order this step follows, if any
+        self.forward_order = UnitOrder()
+        self.backward_order = UnitOrder()
+        self.eval_order = UnitOrder()  # the forward of evaluation steps (see [Note: prefetch])
+        self._pass_order: UnitOrder | None = None  # the forward order this step follows, if any
         # See [Note: frozen units]: input-gradient hooks registered and not fired yet; units reduced.
         self._open_inputs: dict[ShardedUnit, int] = {}
         self._reduced: set[ShardedUnit] = set()
         self._training = False
         self._backward_started = False
         self._fold_checks: list[Any] = []
+        # No-grad forwards that ranks run different numbers of times (see [Note: joined forwards] in joined.py): with
+        # the world's ``comm`` (whose sequence checks every unit's gathers), and a whole model to hook.
+        self.joined = JoinedForwards(units, comm, self._prefetch) if comm is not None and root is not None else None
+        if comm is not None and self.joined is not None:
+            comm.forward_server = self.serve_forward
 
     def install(self) -> None:
         for unit in self.units:
@@ -118,15 +133,17 @@ class Stage3Hooks:
             pre_forward = outside_graphs(self._pre_forward(unit))
             self._handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))
             self._handles.append(module.register_forward_hook(outside_graphs(self._post_forward(unit))))
-        self._install_fold_checks()
-
-    def _install_fold_checks(self) -> None:
-        """See [Note: folded modules]."""
         compiled: set[int] = set()
         for top in [self.root] if self.root is not None else [u.module for u in self.units]:
             for module in top.modules():
                 if _is_compiled(module):
                     compiled.update(id(m) for m in module.modules())
+        self._install_fold_checks(compiled)
+        if self.joined is not None and self.root is not None and len(self.units) > 1:
+            self.joined.install(self.root, compiled)
+
+    def _install_fold_checks(self, compiled: set[int]) -> None:
+        """See [Note: folded modules]; ``compiled``: the ids of the modules inside compiled code."""
         for unit in self.units:
             mine = {id(p) for p in unit.params}
             for name, module in unit.module.named_modules():
@@ -158,6 +175,10 @@ class Stage3Hooks:
             handle.remove()
         self._handles.clear()
         self._remove_fold_checks()
+        if self.joined is not None:
+            self.joined.remove()
+            if self.joined.comm.forward_server == self.serve_forward:
+                self.joined.comm.forward_server = None
 
     # ------------------------------------------------------------------ prefetch
     def begin_forward(self, training: bool) -> None:
@@ -167,7 +188,33 @@ class Stage3Hooks:
         self._pass_order = self.forward_order if training else self.eval_order
         if training:
             self._open_inputs.clear()
-        self._prefetch(self._pass_order.start())
+        # A no-grad step that other ranks serve: its first forward is joined (gathered along its own order, in the
+        # sequence its step began), not prefetched along the evaluation order (see [Note: joined forwards]).
+        served = self.joined is not None and self.joined.comm.step_served
+        if self.joined is not None:
+            self.joined.close(sequence=not served)
+        upcoming = self._pass_order.start()
+        if not served:
+            self._prefetch(upcoming)
+
+    def serve_forward(self, code: int, step: bool) -> str | None:
+        """Take part in the gathers of a no-grad forward that other ranks run, the one starting at the unit whose name
+        has ``code``, or with ``step`` the first forward of a no-grad step that they begin, with the root unit's
+        gather before it (see [Note: Fabric steps] in ``fabric/wrapper.py``); ``None`` once served, or why this
+        rank cannot serve it. A step is served only between steps, where this rank's units are as the runners' were
+        when they began it; then they are freed, as the runners' are when it ends."""
+        assert self.joined is not None
+        if not step:
+            return self.joined.serve(code)
+        if self._pass_order is not None or self.held:
+            return "it is inside a step of its own"
+        gathered = {unit for unit in self.units if unit.is_unsharded}
+        root = next((unit for unit in self.units if unit.name == ROOT_NAME), None)
+        if root is not None and root not in gathered:
+            root.serve_gather()  # (what the runners' hold of it gathers)
+        why = self.joined.serve(code, gathered - {root})
+        self.free_unused()
+        return why
 
     def prefetch_first(self) -> None:
         """Issue the gathers of the first units of the recorded training forward, before the step begins (see
@@ -190,12 +237,25 @@ class Stage3Hooks:
     def _unit_starts(self, unit: ShardedUnit, inputs: Any) -> None:
         if unit.phase is not UnitPhase.PRE_BACKWARD:  # else a recomputation inside backward: backward keeps it
             unit.phase = UnitPhase.FORWARD
-        order = self._pass_order
-        if order is not None and torch.is_grad_enabled() == self._training and unit not in self.held:
-            self._prefetch(order.reached(unit))
+        joined = self.joined
+        if joined is not None and unit not in self.held:
+            if self._pass_order is not None and not torch.is_grad_enabled():  # see [Note: joined forwards]
+                with joined.comm.forward_collectives():
+                    if not joined.unit_starts(unit):  # the first no-grad forward since the ranks met: as before
+                        self._prefetch_in_step(unit)
+                    unit.unshard()
+                return
+            joined.close()
+        self._prefetch_in_step(unit)
         unit.unshard()
         if torch.is_grad_enabled() and not all(p.requires_grad for p in unit.params):
             self._watch_inputs(unit, inputs)
+
+    def _prefetch_in_step(self, unit: ShardedUnit) -> None:
+        """Prefetch the units that follow ``unit`` in the order this step follows (see [Note: prefetch])."""
+        order = self._pass_order
+        if order is not None and torch.is_grad_enabled() == self._training and unit not in self.held:
+            self._prefetch(order.reached(unit))
 
     def replay_eval_forward(self) -> None:
         """Gather and release every unit of one evaluation forward, in the order the first evaluation step
@@ -203,9 +263,10 @@ class Stage3Hooks:
         out of evaluation batches issues for each batch the other ranks still run (see [Note: uneven evaluation]
         in ``strategies/agreement.py``). Call under ``torch.no_grad()``, between ``begin_forward(False)`` and
         ``end_step()``, as for the step it stands for."""
-        for unit in self.eval_order.recorded or []:
-            self._unit_starts(unit, None)
-            self._unit_ends(unit, None)
+        with self.joined.frame() if self.joined is not None else nullcontext():  # one forward, whatever repeats
+            for unit in self.eval_order.recorded or []:
+                self._unit_starts(unit, None)
+                self._unit_ends(unit, None)
 
     def _watch_inputs(self, unit: ShardedUnit, inputs: Any) -> None:
         """See [Note: frozen units]."""
@@ -289,6 +350,8 @@ class Stage3Hooks:
                 unit.reshard()
 
     def end_step(self) -> None:
+        if self.joined is not None:
+            self.joined.close()
         if self._training and self._fold_checks:
             self._remove_fold_checks()  # the first training step has run them
         if self._pass_order is not None:
@@ -308,48 +371,6 @@ class Stage3Hooks:
     def unhold(self, unit: ShardedUnit) -> None:
         self.held.discard(unit)
         unit.reshard()
-
-
-class _Order:
-    """The order in which units ran on the first training step, and where this step is in it (see
-    [Note: prefetch])."""
-
-    def __init__(self) -> None:
-        self.recorded: list[ShardedUnit] | None = None
-        self._recording: list[ShardedUnit] | None = None
-        self._position: int | None = None
-
-    def start(self) -> list[ShardedUnit]:
-        """A pass begins: record it if nothing is recorded yet; return the units to prefetch first."""
-        if self.recorded is None:
-            self._recording = []
-            return []
-        self._position = 0
-        return self.recorded
-
-    def reached(self, unit: ShardedUnit) -> list[ShardedUnit]:
-        """``unit`` starts now; the units that follow it in the recorded order (empty when off track)."""
-        if self._recording is not None:
-            self._recording.append(unit)
-            return []
-        if self._position is None or self.recorded is None:
-            return []
-        if self._position < len(self.recorded) and self.recorded[self._position] is unit:
-            self._position += 1
-            return self.recorded[self._position :]
-        self._position = None  # this pass left the recorded order: no more prefetching in it
-        return []
-
-    def at_end(self, unit: ShardedUnit) -> bool:
-        """Whether ``unit`` is the last unit of the recorded order and this pass has followed it to there."""
-        recorded = self.recorded
-        return recorded is not None and self._position == len(recorded) and recorded[-1] is unit
-
-    def finish(self) -> None:
-        if self._recording is not None:
-            self.recorded = self._recording or None
-            self._recording = None
-        self._position = None
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
