@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("determinism", "parity", "async save", "race", "flat counts", "offload memory", "two ranks")
+SECTIONS = ("determinism", "alignment", "parity", "async save", "race", "flat counts", "offload memory", "two ranks")
 RACE_VARIANTS = ("zero1", "zero2", "zero3-prefetch2", "zero2-offload", "zero3-offload-params", "zero3-int8")
 COUNT_VARIANTS = ("zero2", "zero3", "zero3-offload", "zero3-offload-params", "zero3-int8")
 MEMORY_VARIANTS = ("zero3-offload", "zero3-offload-params")
@@ -183,7 +183,7 @@ class Checks:
         self.check("trains", "plain", trains)
 
     def parity(self) -> None:
-        from benchmarks.first_run.probes import capture_syncs
+        from benchmarks.first_run.probes import capture_host_reads, capture_syncs
         from benchmarks.first_run.training import ShardedRun, compare, train
 
         steady = self.args.steps - 1
@@ -191,7 +191,9 @@ class Checks:
             syncs: list[Any] = []
 
             def on_step(index: int, syncs: list = syncs) -> Any:
-                return _recording(capture_syncs(), syncs) if self.cuda and index == steady else None
+                if index != steady:
+                    return None
+                return _recording(capture_syncs() if self.cuda else capture_host_reads(), syncs)
 
             def body(variant: Any = variant, on_step: Callable = on_step) -> tuple[bool, str]:
                 trained = train(ShardedRun(variant, self.config, self.device), self.args.steps, on_step)
@@ -200,7 +202,19 @@ class Checks:
 
             self.check("parity", variant.name, body)
             if not self.cuda:
-                self.check("no engine sync", variant.name, lambda: (None, "cpu"))
+
+                def no_read(variant: Any = variant, syncs: list = syncs) -> tuple[bool, str]:
+                    # The CPU's view of the same property: the engine reads no tensor value on the host in a backward
+                    # pass, and at most once in the whole steady step (the flags, before the optimizer step).
+                    if variant.name not in self._trained:
+                        return False, "the parity run failed before its steady step"
+                    ours = [r for r in (syncs[0] if syncs else []) if r.engine]
+                    in_backward = [r for r in ours if r.in_backward]
+                    shown = "; ".join(sorted({r.frame for r in ours})[:4])
+                    passed = not in_backward and len(ours) <= 1
+                    return passed, f"{len(ours)} engine host reads, {len(in_backward)} in backward ({shown or 'none'})"
+
+                self.check("no engine host read", variant.name, no_read)
                 continue
 
             def no_sync(variant: Any = variant, syncs: list = syncs) -> tuple[bool | None, str]:
@@ -219,6 +233,29 @@ class Checks:
         if variant.name not in self._trained:
             self._trained[variant.name] = train(ShardedRun(variant, self.config, self.device), self.args.steps)
         return self._trained[variant.name]
+
+    # ------------------------------------------------------------------ reduction chunks
+    def alignment(self) -> None:
+        """Every rank's chunk of a reduction starts on a 16-byte boundary (NCCL's vectorized paths need it), at
+        every world size to 8 and every dtype the engine reduces in (see [Note: aligned chunks] in
+        ``lightning_zero/engine/core/layout.py``)."""
+        import torch
+
+        from lightning_zero.engine.core.layout import ShardLayout
+        from lightning_zero.engine.schedule.reduce import reduce_width
+
+        def body() -> tuple[bool, str]:
+            misaligned = []
+            for world_size in range(1, 9):
+                for numel in (1, 7, 1000, 4099):
+                    layout = ShardLayout.from_shapes([torch.Size([numel])], world_size)
+                    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                        width = reduce_width(layout, dtype)
+                        if any(rank * width * dtype.itemsize % 16 for rank in range(world_size)):
+                            misaligned.append(f"{numel} over {world_size} in {dtype}")
+            return not misaligned, f"{len(misaligned)} misaligned layouts ({', '.join(misaligned[:3]) or 'none'})"
+
+        self.check("aligned chunks", "reduce-scatter", body)
 
     # ------------------------------------------------------------------ asynchronous saves
     def async_save(self) -> None:
@@ -340,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         attention = sdpa_kernel(SDPBackend.MATH)  # deterministic (see the module's docstring)
     runs = {
         "determinism": suite.determinism,
+        "alignment": suite.alignment,
         "parity": suite.parity,
         "async save": suite.async_save,
         "race": suite.race,

@@ -246,10 +246,13 @@ def test_gpu_first_run_in_cpu_mode_passes_every_device_independent_check(tmp_pat
     assert report["failed"] == 0 and report["device"] == "cpu" and report["lightning_zero_import"] == "engine only"
     for variant in VARIANTS:
         assert rows[("parity", variant.name)]["status"] == "pass", rows[("parity", variant.name)]
-        assert rows[("no engine sync", variant.name)]["status"] == "skipped (cpu)"
+        assert rows[("no engine host read", variant.name)]["status"] == "pass", rows[
+            ("no engine host read", variant.name)
+        ]
+    assert "1 engine host reads, 0 in backward" in rows[("no engine host read", "zero3")]["detail"]  # the flags, once
     assert rows[("parity", "zero3")]["detail"] == "bitwise: every loss and parameter equal"
     assert "bounds: rel 0.01" in rows[("parity", "zero3-bf16")]["detail"]
-    for check in ("determinism", "trains", "async save", "race", "flat counts", "two ranks"):
+    for check in ("determinism", "trains", "aligned chunks", "async save", "race", "flat counts", "two ranks"):
         assert any(k[0] == check and r["status"] == "pass" for k, r in rows.items()), check
     assert all(int(r["detail"].split()[0]) > 0 for k, r in rows.items() if k[0] == "race")  # collectives made late
     assert "rank 0: CollectiveMismatchError" in rows[("two ranks", "gloo")]["detail"]

@@ -24,6 +24,7 @@ It wraps ``Comm._timed``, through which every collective of the engine is issued
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import time
 import traceback
@@ -86,6 +87,53 @@ def capture_syncs() -> Iterator[list[Sync]]:
             yield found
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+class HostRead(NamedTuple):
+    """One read of a tensor's value on the host: the frame blamed, whether it is the engine's, whether it ran inside
+    a backward pass (autograd's graph task, its hooks and callbacks included)."""
+
+    frame: str
+    engine: bool
+    in_backward: bool
+
+
+# Tensor methods that hand a value to Python: on a GPU tensor each waits for the device. They are seen as the
+# interpreter calls them (``sys.setprofile``'s ``c_call``): a torch function or dispatch mode misses ``tolist``
+# (it reads the memory below the dispatcher) and what autograd's callbacks run at the end of a backward pass.
+_READS = {"item", "tolist", "__bool__", "__float__", "__int__"}
+# Engine reads that are no device wait on a GPU either: ``_any`` reads on the CPU only (off it, it runs the work
+# instead of asking); the control channel's agreement rows live in host memory on every device (a gloo group).
+_NOT_DEVICE_READS = {("quantized.py", "_any"), ("control.py", "_settle")}
+
+
+@contextmanager
+def capture_host_reads() -> Iterator[list[HostRead]]:
+    """Every value the block hands from a tensor to Python (``item()``, ``tolist()``, ``bool()``, ``float()``,
+    ``int()``), in this thread (where a CPU backward pass runs): on a GPU each waits for the device, so the CPU sees
+    where a GPU step would (the CPU stand-in for ``capture_syncs``; a read of a host copy, as the step's flags are
+    read, counts too)."""
+    found: list[HostRead] = []
+    previous = sys.getprofile()
+
+    def observe(frame: Any, event: str, arg: Any) -> None:
+        if event != "c_call" or getattr(arg, "__name__", None) not in _READS:
+            return
+        if not isinstance(getattr(arg, "__self__", None), torch.Tensor):
+            return
+        stack = traceback.extract_stack(frame)
+        blamed = blamed_frame(stack)
+        where = f"{blamed.filename}:{blamed.lineno} in {blamed.name}" if blamed else "?"
+        engine = blamed is not None and str(Path(blamed.filename).resolve()).startswith(PACKAGE_DIR)
+        if blamed is not None and (Path(blamed.filename).name, blamed.name) in _NOT_DEVICE_READS:
+            engine = False
+        found.append(HostRead(where, engine, torch._C._current_graph_task_id() != -1))
+
+    sys.setprofile(observe)
+    try:
+        yield found
+    finally:
+        sys.setprofile(previous)
 
 
 # ---------------------------------------------------------------------- late collectives
