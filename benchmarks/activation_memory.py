@@ -1,6 +1,6 @@
 """Peak memory in a training step with and without activation checkpointing, on the benchmark GPT, at 2 ranks.
 
-One rank of a 2-rank job of each stage, with the real engine (``lightning_zero.dry_run``: the collectives are
+One rank of a 2-rank job of each stage, with the real engine (``lightning_zero.tools.dry_run``: the collectives are
 simulated, every tensor a step allocates is counted, as a real 2-rank run of the same model counts it: see
 ``tests/test_dry_run.py``), once without and once with ``activation_checkpointing_policy={Block}``. Also counts
 each block's forward calls in the measured step (the recomputation runs each once more). Runs in one process, in
@@ -48,7 +48,7 @@ class BenchLightning(L.LightningModule):
 
 def measure(stage: int, checkpointed: bool, batch_shape: tuple[int, int]) -> dict[str, Any]:
     """One dry run; the peak of its last step and the block forwards counted in it."""
-    from lightning_zero.dry_run import dry_run
+    from lightning_zero.tools.dry_run import dry_run
 
     calls = {"forward": 0}
 

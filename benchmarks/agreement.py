@@ -71,7 +71,7 @@ def _run(rank: int, world_size: int, samples: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from benchmarks.results import write_results
     from lightning_zero.engine.comm.control import TREE_FROM
-    from lightning_zero.processes import run_on_cpu_ranks
+    from lightning_zero.tools.processes import run_on_cpu_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", default="2,4,8,16,32")

@@ -120,7 +120,7 @@ def _run(rank: int, world_size: int, config: str, repeats: int, warmup: int, aft
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_zero.processes import run_on_cpu_ranks
+    from lightning_zero.tools.processes import run_on_cpu_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(SIZES), default="large", help="model size (tiny: smoke tests)")

@@ -178,7 +178,7 @@ def probe_rank(
 
 def run_probe(system: str, rung: Rung, world_size: int, limit: int, steps: int, timeout: float) -> dict[str, Any]:
     """One fresh job; ``fits`` says whether every rank finished under ``limit`` bytes of peak RSS."""
-    from lightning_zero.processes import run_on_cpu_ranks
+    from lightning_zero.tools.processes import run_on_cpu_ranks
 
     record: dict[str, Any] = {"system": system, "n_layer": rung.n_layer, "n_embd": rung.n_embd, "numel": rung.numel()}
     start = time.perf_counter()

@@ -29,7 +29,7 @@ from lightning_zero.driver import checkpointing
 from lightning_zero.engine.checkpoint import saving
 from lightning_zero.engine.checkpoint import sharded as engine_checkpoint
 from lightning_zero.engine.io import checksums
-from lightning_zero.processes import run_on_cpu_ranks
+from lightning_zero.tools.processes import run_on_cpu_ranks
 
 
 class Stack(L.LightningModule):

@@ -143,11 +143,11 @@ def run_variant(variant: str, precision: str, args: argparse.Namespace, device: 
             comm = engine.Comm(checks="auto", control=ControlChannel.create(run_alone=True), run_alone=True)
         else:
             comm = engine.Comm(checks="off", run_alone=True)
-        sharded = engine.ShardedModel(
+        sharded = engine.shard_model(
             model,
             stage=stage,
             comm=comm,
-            policy=engine.module_class_policy(["Block"]),
+            units=engine.module_class_policy(["Block"]),
             offload_optimizer=variant.endswith("-offload"),
         )
         sharded.bind_optimizer(optimizer)

@@ -25,7 +25,7 @@ import torch
 import lightning_zero
 from benchmarks.results import report_json
 from benchmarks.trainer_mode import BARE_TRAINER
-from lightning_zero.processes import run_on_cpu_ranks
+from lightning_zero.tools.processes import run_on_cpu_ranks
 
 MIB = 2**20
 

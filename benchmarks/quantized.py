@@ -140,7 +140,7 @@ def _exact_of(system: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lightning_zero.processes import run_on_cpu_ranks
+    from lightning_zero.tools.processes import run_on_cpu_ranks
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), default="default", help="model size (tiny: smoke tests)")

@@ -5,9 +5,9 @@ initialization, one seed), the same per-rank batches for every system, ``zero_gr
 AdamW step, every system in the same processes, the order rotated per repeat. Systems:
 
 - ``ddp``: ``DistributedDataParallel`` (the reference);
-- ``zero3-defaults``: ``ShardedModel(stage=3)`` with the strategies' defaults (default units, ``checks="auto"``
+- ``zero3-defaults``: ``shard_model(stage=3)`` with the strategies' defaults (default units, ``checks="auto"``
   with the control channel and one step agreement per step, as the strategies run it);
-- ``zero3-per-layer``: one unit per module that owns parameters (``owns_parameters``, the old default);
+- ``zero3-per-layer``: one unit per module that owns parameters (``owns_parameters``, the finest grain);
 - ``zero1-defaults`` / ``zero2-defaults`` (with ``--systems``): stages 1 and 2 with their defaults;
 - ``fsdp2`` (with ``--systems``): torch's ``fully_shard`` on each repeated block (the blocks the default policy
   finds, at any model size) and on the root, the anchor beside stage 3;
@@ -74,7 +74,7 @@ def _loss(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torc
 
 
 def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, batch_size: int) -> list[float]:
-    from lightning_zero.engine import Comm, ShardedModel, owns_parameters
+    from lightning_zero.engine import Comm, owns_parameters, shard_model
     from lightning_zero.engine.comm.control import ControlChannel
     from tests.real_models import build
 
@@ -92,7 +92,7 @@ def _time_system(name: str, system: str, rank: int, steps: int, warmup: int, bat
         policy = owns_parameters if system == "zero3-per-layer" else None
         # The strategies' checks: one agreement per step on the control channel (see engine/comm/control.py).
         comm = Comm(checks="auto", control=ControlChannel.create())
-        sharded = ShardedModel(model, stage=_STAGE[system], comm=comm, policy=policy)
+        sharded = shard_model(model, stage=_STAGE[system], comm=comm, units=policy)
         wrapped = model
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3) if deepspeed_engine is None else None
     if sharded is not None:
@@ -250,7 +250,7 @@ def paired_ratio(times: list[float], reference: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> str:
-    from lightning_zero.processes import run_on_cpu_ranks
+    from lightning_zero.tools.processes import run_on_cpu_ranks
     from tests.real_models import NAMES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> str:
         print(text)
         return text
     args = parse_args(argv)
-    from lightning_zero.processes import run_on_cpu_ranks
+    from lightning_zero.tools.processes import run_on_cpu_ranks
 
     out = Path(args.out) if args.out else RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -152,11 +152,11 @@ class _ShardedTrainee:
     def __init__(
         self, ctx: BuildContext, stage: int, checks: str = "off", block_units: bool = True, **options: Any
     ) -> None:
-        from lightning_zero.engine import Comm, ShardedModel, module_class_policy
+        from lightning_zero.engine import Comm, module_class_policy, shard_model
 
         self.model = ctx.model()
         policy = module_class_policy(["Block"]) if block_units else None  # None: the default units
-        self.sharded = ShardedModel(self.model, stage=stage, comm=Comm(checks=checks), policy=policy, **options)
+        self.sharded = shard_model(self.model, stage=stage, comm=Comm(checks=checks), units=policy, **options)
         self.optimizer = ctx.adamw.make(self.model.parameters())
         self.sharded.bind_optimizer(self.optimizer)
 
@@ -270,7 +270,7 @@ def build_deepspeed(stage: int) -> Callable[[BuildContext], Trainee]:
 
 # ---------------------------------------------------------------------------------------- registry
 
-DEFAULT_BUCKET_NUMEL = 25 * 2**20 // 4  # the strategies' bucket_size_mb=25 without unit_modules, in fp32 elements
+DEFAULT_BUCKET_MB = 25.0  # the strategies' bucket_size_mb without unit_modules
 SYSTEMS: dict[str, SystemSpec] = {
     spec.name: spec
     for spec in (
@@ -297,7 +297,7 @@ SYSTEMS: dict[str, SystemSpec] = {
                 + ", collective_checks='auto')",
                 s,
                 build_ours(
-                    s, checks="auto", block_units=False, **({"bucket_numel": DEFAULT_BUCKET_NUMEL} if s < 3 else {})
+                    s, checks="auto", block_units=False, **({"bucket_size_mb": DEFAULT_BUCKET_MB} if s < 3 else {})
                 ),
                 family="ours",
             )

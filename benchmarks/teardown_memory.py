@@ -21,7 +21,7 @@ from torch import nn
 import lightning_zero  # noqa: F401 (registers the strategies)
 from benchmarks.results import report_json
 from benchmarks.trainer_mode import BARE_TRAINER
-from lightning_zero.processes import run_on_cpu_ranks
+from lightning_zero.tools.processes import run_on_cpu_ranks
 
 MIB = 2**20
 

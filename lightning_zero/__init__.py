@@ -20,7 +20,6 @@ The errors the strategies raise on purpose (``lightning_zero.CheckpointSaveError
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero import fabric  # registers "zero1", "zero2" and "zero3" with Fabric
-from lightning_zero.activations import ActivationProfile, profile_activations
 from lightning_zero.driver.checkpointing import consolidate as consolidate_checkpoint
 from lightning_zero.engine.errors import (
     CheckpointMismatchError,
@@ -41,10 +40,13 @@ from lightning_zero.engine.errors import (
     UnsupportedOptimizerError,
     WeightsOnlyCheckpointError,
 )
-from lightning_zero.estimate import MemoryEstimate, StrategyEstimate, estimate_memory
-from lightning_zero.parity import ParityReport, check_parity
+from lightning_zero.planning.activations import ActivationProfile, profile_activations
+from lightning_zero.planning.estimate import estimate_memory
+from lightning_zero.planning.estimate_report import MemoryEstimate, StrategyEstimate
 from lightning_zero.pretrained import export_pretrained, from_pretrained, load_weights
 from lightning_zero.strategies import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROPrecision, ZeROStrategy
+from lightning_zero.tools.parity import check_parity
+from lightning_zero.tools.parity_report import ParityReport
 
 __version__ = "0.1.0"
 __all__ = [

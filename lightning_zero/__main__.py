@@ -13,7 +13,7 @@ Example::
     python -m lightning_zero check-parity my_package.models:MyModule --stage 3 --steps 5
 
 ``dry-run`` runs one rank of an N-rank job in this process (torch's fake process group: nothing is sent) and
-prints what that rank holds and sends, beside the theory and ``estimate`` (see ``lightning_zero/dry_run.py``).
+prints what that rank holds and sends, beside the theory and ``estimate`` (see ``lightning_zero/tools/dry_run.py``).
 ``check-parity`` exits with 0 when the stage trained exactly like ``DDPStrategy`` (within ``--rtol``),
 1 when it did not, and 2 when the module could not be loaded or a run failed. ``estimate`` prints the
 model-state memory per device and the communication per step of DDP and each stage (see ``docs/memory.md``).
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from lightning_zero.driver.checkpointing import consolidate
-from lightning_zero.estimate import ArgumentValueError
+from lightning_zero.planning.arguments import ArgumentValueError
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -189,7 +189,7 @@ def _shard_size(text: str) -> int | str:
 
 
 def _add_estimate_parser(commands: Any) -> argparse.ArgumentParser:
-    from lightning_zero.estimate import PRECISIONS, parse_bytes, parse_count
+    from lightning_zero.planning.arguments import PRECISIONS, parse_bytes, parse_count
 
     estimate = commands.add_parser(
         "estimate",
@@ -272,7 +272,7 @@ def _add_estimate_parser(commands: Any) -> argparse.ArgumentParser:
 
 
 def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from lightning_zero.estimate import estimate_memory
+    from lightning_zero.planning.estimate import estimate_memory
 
     if args.target is not None and args.params is not None:
         parser.error("give the model either as --params or as FILE.py:CLASS, not both")
@@ -280,7 +280,7 @@ def _estimate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("the model is required: --params (a parameter count, e.g. 7B) or FILE.py:CLASS")
     model: Any = args.params
     if args.target is not None:
-        from lightning_zero.dry_run import build_on_meta
+        from lightning_zero.tools.targets import build_on_meta
 
         try:
             model = build_on_meta(args.target)
@@ -365,7 +365,8 @@ def _add_dry_run_parser(commands: Any) -> argparse.ArgumentParser:
 def _dry_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_zero.dry_run import dry_run, write_json
+    from lightning_zero.tools.dry_run import dry_run
+    from lightning_zero.tools.dry_run_report import write_json
 
     try:
         shape = tuple(int(n) for n in args.batch_shape.split(",")) if args.batch_shape else None
@@ -441,7 +442,7 @@ def _load_module(parser: argparse.ArgumentParser, target: str, seed: int) -> Any
 
 
 def _check_parity(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from lightning_zero.parity import check_parity
+    from lightning_zero.tools.parity import check_parity
 
     model = _load_module(parser, args.target, args.seed)
     options = {f"quantize_{w}": getattr(args, f"quantize_{w}") for w in ("weights", "grads")}

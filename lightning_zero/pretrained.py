@@ -3,9 +3,14 @@
 Under stage 3 the model is built on the meta device in ``configure_model`` (or ``fabric.init_module()``)
 and materialized already sharded at setup. These two functions fit that: inside such a build they
 record where each parameter's values are in the files, and at setup each rank reads only its shards
-(see [Note: pretrained weights under meta init] in ``engine/meta/pretrained.py``). Anywhere else (DDP,
+(see [Note: pretrained weights under meta init] in ``engine/hf/weights.py``). Anywhere else (DDP,
 stages 1 and 2 without meta init, a plain script) they load as usual, so one ``configure_model``
 serves every strategy.
+
+``export_pretrained`` converts a training checkpoint into a Hugging Face one on one process. These are the user's
+functions (``export_pretrained`` reads checkpoints through the driver, which the engine may not import); the
+mechanics, shared with the strategies' ``save_pretrained``, are in ``engine/hf/``: ``weight_files.py`` (reading by
+the slice), ``weights.py`` (loading under meta init), ``export.py`` and ``peft_export.py`` (writing).
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zero.engine.io.weight_files import WeightFiles
+from lightning_zero.engine.hf.weight_files import WeightFiles
+from lightning_zero.engine.hf.weights import plan_weight_load
 from lightning_zero.engine.meta.init_trace import active_recording
-from lightning_zero.engine.meta.pretrained import plan_weight_load
 
 # Arguments of ``from_pretrained`` that go to the model's constructor; the others update the config, as there.
 _MODEL_ARGUMENTS = ("torch_dtype", "dtype", "attn_implementation", "trust_remote_code")
@@ -228,8 +233,8 @@ def export_pretrained(
     import transformers
 
     from lightning_zero.driver.checkpointing import consolidate, save_safetensors
-    from lightning_zero.engine.checkpoint.hf_export import replace_checkpoint
-    from lightning_zero.engine.checkpoint.saving import Ranks
+    from lightning_zero.engine.hf.export import replace_checkpoint
+    from lightning_zero.engine.io.ranks import Ranks
 
     model_class = model_class or transformers.AutoModelForCausalLM
     if not isinstance(config, transformers.PretrainedConfig):

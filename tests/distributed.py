@@ -1,6 +1,6 @@
 """Run a test function on N gloo processes: one spawn runs many checks.
 
-``spawn(fn, world_size)`` is ``lightning_zero.processes.run_on_cpu_ranks``: ``world_size`` spawned
+``spawn(fn, world_size)`` is ``lightning_zero.tools.processes.run_on_cpu_ranks``: ``world_size`` spawned
 processes, ``file://`` rendezvous, ``fn(rank, world_size, **kwargs)`` after ``init_process_group``,
 every rank's return value back, the first failing rank's traceback raised in the test, and a
 timeout so that a deadlock fails the test instead of hanging CI. The environment variables
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from lightning_zero.processes import free_port, run_on_cpu_ranks
+from lightning_zero.tools.processes import free_port, run_on_cpu_ranks
 
 __all__ = ["free_port", "spawn", "spawn_killed"]
 

@@ -1,4 +1,4 @@
-"""``accumulate="local"`` (issue 29, part 2): under stages 2 and 3 the micro-batches of one optimizer step add up
+"""``accumulate="local"``: under stages 2 and 3 the micro-batches of one optimizer step add up
 their full gradients on each rank and reduce-scatter once, at the step's last micro-batch, as DDP and stage 1 do:
 a quarter of the reduce-scatter bytes at ``accumulate_grad_batches=4``, DDP's results bit for bit (the same order
 of sums), and under stage 3 the parameters still freed after each use. Through the Trainer and Fabric.

@@ -1,8 +1,8 @@
-"""``activation_checkpointing_policy`` (issue 29, part 1): the selected modules recompute their forward in backward,
+"""``activation_checkpointing_policy``: the selected modules recompute their forward in backward,
 through both doors, under every stage, bitwise as DDP with the same modules checkpointed by hand (and as no
 checkpointing at all where nothing is random), each block run twice per micro-batch and, under stage 3, no gather
 added; names, state dicts and checkpoints as without it. Hugging Face decoder layers with their models' cache
-default (``use_cache=True``) train as DDP with transformers' own checkpointing (issue 43).
+default (``use_cache=True``) train as DDP with transformers' own checkpointing.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _trainer_cases(rank: int, world_size: int) -> None:
         net = RealModelNet(name)
         got = fit(ZeRO3Strategy(activation_checkpointing_policy={layer}), net, STEPS)
         assert_same(got, reference, f"zero3, {name} with its cache default: against DDP with gradient checkpointing")
-        assert net.model.config.use_cache is True, name  # as it was: config.json is written as without the policy
+        assert net.model.config.use_cache is True, name  # unchanged: config.json is written as without the policy
         x = torch.randint(0, 64, (2, 8))
         with pytest.warns(UserWarning, match=r"use_cache=True is incompatible with activation_checkpointing_policy"):
             out = net.model(input_ids=x, use_cache=True)  # asked for: off, with a warning, as in transformers

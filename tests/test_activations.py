@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from benchmarks.model import BenchConfig, BenchGPT, Block
-from lightning_zero.activations import ActivationProfile, profile_activations
-from lightning_zero.dry_run import StepMemory
 from lightning_zero.engine.core.ledger import GatherLedger
 from lightning_zero.engine.schedule.recompute import apply_activation_checkpointing
-from lightning_zero.estimate import estimate_memory
+from lightning_zero.planning.activations import ActivationProfile, profile_activations
+from lightning_zero.planning.estimate import estimate_memory
+from lightning_zero.tools.step_memory import StepMemory
 
 CONFIG = BenchConfig(n_layer=3, n_head=4, n_embd=64, block_size=32, vocab_size=50, batch_size=4)
 UNITS = [Block]  # below the default units' minimum size, the whole model would be one unit

@@ -21,10 +21,12 @@ ENGINE_LAYERS = {
     "core": 2,
     "schedule": 3,
     "meta": 3,
-    "sharded_model": 4,
+    "hf": 3,
+    "model": 4,
+    "sharded_model": 5,
     "full_state": 3,
     "free_memory": 1,
-    "checkpoint": 5,
+    "checkpoint": 6,
 }
 
 
@@ -176,3 +178,52 @@ def test_the_driver_knows_neither_door() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert not node.module.startswith("lightning.pytorch"), f"{path.name} imports {node.module}"
+
+
+def _inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_planning_imports_only_the_engine_and_itself() -> None:
+    """Planning (the estimator, its report, the activation profile) sits below the doors: a door may import it, it
+    imports no door, no driver and no tool."""
+    graph = _graph()
+    planning = [m for m in graph if _inside(m, "lightning_zero.planning")]
+    assert planning, "lightning_zero/planning/ has no modules"
+    wrong = [
+        f"{module} imports {imported}"
+        for module in planning
+        for imported in graph[module]
+        if not _inside(imported, "lightning_zero.planning") and not _inside(imported, "lightning_zero.engine")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_only_the_package_entry_points_import_the_tools() -> None:
+    """The run tools (parity, dry run, processes) sit above the doors: they may import anything, and nothing in the
+    package imports them but its ``__init__`` and ``__main__``."""
+    graph = _graph()
+    assert any(_inside(m, "lightning_zero.tools") for m in graph), "lightning_zero/tools/ has no modules"
+    allowed = {"lightning_zero", "lightning_zero.__main__"}
+    wrong = [
+        f"{module} imports {imported}"
+        for module, imported_set in graph.items()
+        if module not in allowed and not _inside(module, "lightning_zero.tools")
+        for imported in imported_set
+        if _inside(imported, "lightning_zero.tools")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_package_top_holds_only_its_entry_points() -> None:
+    """Everything else lives in a folder that shows its place: the engine, the driver, the doors, planning, tools."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "pretrained.py"], top
+
+
+def test_no_package_file_is_past_500_lines() -> None:
+    """Files stay small enough to read in one sitting (docs/architecture.md: one idea each, rarely past ~400)."""
+    long = {
+        str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, long

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zero.engine import Comm, CommStats, ShardedModel
+from lightning_zero.engine import Comm, CommStats, shard_model
 from lightning_zero.engine.comm.control import ControlChannel
 from lightning_zero.engine.comm.timing import DeviceTiming
 from lightning_zero.strategies.stats import StepStats
@@ -208,7 +208,7 @@ def test_device_timing_holds_only_what_the_device_has_not_reached() -> None:
 
 def test_events_are_made_only_while_statistics_are_kept() -> None:
     assert CommStats().device_timing is None  # by default: no event on any collective
-    sharded = ShardedModel(nn.Linear(4, 4), stage=2, comm=Comm())
+    sharded = shard_model(nn.Linear(4, 4), stage=2, comm=Comm())
     assert all(comm.stats.device_timing is None for comm in sharded.comms().values())
     StepStats().start(sharded)  # log_stats=True
     assert all(comm.stats.device_timing is not None for comm in sharded.comms().values())

@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import grad_norm
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
-from lightning_zero.engine.schedule.grads import ShardedGradientError
+from lightning_zero.engine.errors import ShardedGradientError
 from tests.distributed import spawn
 from tests.models import quiet_trainer
 from tests.test_callbacks import FinetuneNet

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero.engine import Comm, ShardedModel, default_unit_policy, owns_parameters, plan_units
+from lightning_zero.engine import Comm, default_unit_policy, owns_parameters, plan_units, shard_model
 from lightning_zero.engine.schedule.stage3 import FoldedModuleError
 
 
@@ -119,13 +119,13 @@ def test_a_folded_module_run_outside_its_unit_is_named_on_the_first_step() -> No
 
     torch.manual_seed(0)
     bad = Bad(blocks=2)
-    sharded = ShardedModel(bad, stage=3, comm=Comm(), policy=blocks_policy(bad))
+    sharded = shard_model(bad, stage=3, comm=Comm(), units=blocks_policy(bad))
     x = torch.randint(0, 16, (2, 4))
     with pytest.raises(FoldedModuleError, match=r"'blocks.0.fc' \(Linear\) ran outside the forward of 'blocks.0'"):
         with sharded.step_context():
             bad(x).sum().backward()
     good = Net(blocks=2)
-    sharded = ShardedModel(good, stage=3, comm=Comm(), policy=blocks_policy(good))
+    sharded = shard_model(good, stage=3, comm=Comm(), units=blocks_policy(good))
     for _ in range(2):
         with sharded.step_context():
             good(x).sum().backward()
@@ -154,7 +154,9 @@ def test_stage_1_and_2_buckets_are_capped_at_bucket_size_like_ddp() -> None:
         nn.Linear(4, 4).double(),  # 20, another dtype
     )
     before = [p.detach().clone() for p in model.parameters()]
-    sharded = ShardedModel(model, stage=2, comm=Comm(), policy=owns_parameters, bucket_numel=600)
+    sharded = shard_model(
+        model, stage=2, comm=Comm(), units=owns_parameters, bucket_size_mb=600 * 4 / 2**20
+    )  # 600 fp32 elements
     sizes = [sum(p.numel() for p in unit.params) for unit in sharded.units]
     assert sizes == [544, 1088, 280, 20], sizes
     assert [u.name for u in sharded.units] == ["0..1", "2", "3..4", "5"]

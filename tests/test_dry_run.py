@@ -1,5 +1,5 @@
 """``dry-run``: one rank of an N-rank job on torch's fake process group (see [Note: dry run] in
-``lightning_zero/dry_run.py``). At world sizes 2, 8 and 64 its figures follow the theory; at world size 2 they
+``lightning_zero/tools/dry_run.py``). At world sizes 2, 8 and 64 its figures follow the theory; at world size 2 they
 equal those of a real 2-rank run of the same model and batch (the check that the simulation is honest)."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 from lightning_zero.__main__ import main
 from lightning_zero.driver.config import ZeROConfig
 from lightning_zero.driver.driver import ZeRODriver
-from lightning_zero.dry_run import STATE_KEYS, StepMemory
 from lightning_zero.strategies.precision import ZeROPrecision
+from lightning_zero.tools.dry_run_report import STATE_KEYS
+from lightning_zero.tools.step_memory import StepMemory
 from tests.distributed import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def _dry_runs(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     reports = [json.loads(out.read_text())]
     script = (
         "import json, sys\n"
-        "from lightning_zero.dry_run import dry_run\n"
+        "from lightning_zero.tools.dry_run import dry_run\n"
         "cases = json.loads(sys.argv[1])\n"
         f"reports = [dry_run({TARGET!r}, stage=int(c.pop('strategy')[-1]), unit_modules=['Block'], "
         f"batch_shape={SHAPE!r}, **c).as_dict() for c in cases]\n"

@@ -115,7 +115,7 @@ def test_log_stats_writes_communication_and_memory_to_the_loggers() -> None:
                 assert float(row["zero/reduce_scatter_bytes"]) > 0
                 gathered, reduced = float(row["zero/all_gather_bytes"]), float(row["zero/reduce_scatter_bytes"])
                 # Stage 1 gathers the updated parameters once (the reduce-scatters carry a few bytes more: one
-                # flag per rank's chunk, see grads.py); stage 3 gathers every unit at least once in forward and
+                # flag per rank's chunk, see grad_flags.py); stage 3 gathers every unit at least once in forward and
                 # again in backward (the root unit, held for the step, once).
                 assert 0 < reduced - gathered < 1024 if gathers == 1 else gathered > 1.5 * reduced, name
                 assert float(row["zero/comm_seconds_max"]) > 0

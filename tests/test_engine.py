@@ -17,12 +17,13 @@ from lightning_zero.engine import (
     check_elementwise,
     module_class_policy,
     owns_parameters,
+    shard_model,
 )
 from lightning_zero.engine.core.grouping import default_unit_policy
 from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
 from lightning_zero.engine.core.placeholder import ShardedParameterReadError
 from lightning_zero.engine.core.unit import ShardedParameterWriteError
-from lightning_zero.engine.schedule.grads import ShardedGradientError
+from lightning_zero.engine.errors import ShardedGradientError
 from lightning_zero.engine.schedule.reduce import reduce_numel, reduce_width
 from tests.distributed import spawn
 
@@ -68,7 +69,7 @@ def _tied_pair(stage: int, kind: str, **options: object):
     model = copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference)
     ref_opt = _optimizer(kind, ddp.parameters())
-    sharded = ShardedModel(model, stage=stage, comm=Comm(), **options)
+    sharded = shard_model(model, stage=stage, comm=Comm(), **options)
     opt = _optimizer(kind, model.parameters())
     sharded.bind_optimizer(opt)
     return reference, model, ddp, ref_opt, sharded, opt
@@ -131,14 +132,14 @@ class SometimesNet(nn.Module):
 def _used_on_some_ranks_across_micro_batches(rank: int, stage: int, check_finite: bool) -> None:
     """A layer used on some ranks (under stage 3: on all or none), or none, in each micro-batch: its sharded gradient
     exists at the step exactly where DDP's (``find_unused_parameters=True``) does, although backward attached every
-    shard unread (see [Note: flags read at the step] in grads.py). SGD with momentum: a gradient of zeros where DDP
+    shard unread (see [Note: flags read at the step] in grad_flags.py). SGD with momentum: a gradient of zeros where DDP
     has none moves the parameter."""
     torch.manual_seed(0)
     reference = SometimesNet()
     model = copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference, find_unused_parameters=True)
     ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-    sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=owns_parameters)
+    sharded = shard_model(model, stage=stage, comm=Comm(), units=owns_parameters)
     sharded.reducer.check_finite = check_finite
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     sharded.bind_optimizer(opt)
@@ -168,7 +169,7 @@ def _used_on_some_ranks_across_micro_batches(rank: int, stage: int, check_finite
 
 
 def _zero_grad_semantics(rank: int, world_size: int) -> None:
-    """The user's optimizer holds the module's parameters, so ``zero_grad`` only sees markers (grads.py): every
+    """The user's optimizer holds the module's parameters, so ``zero_grad`` only sees markers (markers.py): every
     order of backward, ``zero_grad`` (both kinds) and ``step`` must still mean what it means under DDP."""
     for stage in (1, 2, 3):
         for check_finite in (False, True):
@@ -178,7 +179,7 @@ def _zero_grad_semantics(rank: int, world_size: int) -> None:
         model = copy.deepcopy(reference)
         ddp = DistributedDataParallel(reference)
         ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=owns_parameters)  # a unit per layer
+        sharded = shard_model(model, stage=stage, comm=Comm(), units=owns_parameters)  # a unit per layer
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         sharded.bind_optimizer(opt)
         data = torch.Generator().manual_seed(rank)
@@ -246,10 +247,10 @@ def test_zero_grad_step_and_weight_access_keep_ddp_semantics() -> None:
 
 def _reads_while_the_post_step_gather_travels(rank: int, world_size: int) -> None:
     """Stages 1 and 2 leave the post-step all-gathers in flight
-    (see [Note: parameters whose values are on their way] in placeholder.py): every read before the next forward
+    (see [Note: parameters whose values are on their way] in arriving.py): every read before the next forward
     waits for them and sees DDP's values, on one rank or on all, and the next step is still DDP's."""
     for stage in (1, 2):
-        reference, model, ddp, ref_opt, sharded, opt = _tied_pair(stage, "adamw", policy=owns_parameters)
+        reference, model, ddp, ref_opt, sharded, opt = _tied_pair(stage, "adamw", units=owns_parameters)
         data = torch.Generator().manual_seed(rank)
         for step in range(5):
             x, y = torch.randint(0, 11, (4, 5), generator=data), torch.randint(0, 11, (4, 5), generator=data)
@@ -304,7 +305,7 @@ def _comm_and_memory(rank: int, world_size: int) -> None:
 def _check_comm_and_memory(stage: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = _mlp()
-    sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=blocks(model))
+    sharded = shard_model(model, stage=stage, comm=Comm(), units=blocks(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sharded.bind_optimizer(opt)
     units = sharded.units
@@ -339,7 +340,7 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     assert stats.calls("reduce_scatter") == len(units), stage
     assert stats.calls("all_reduce") == 1  # the first backward settles the reduce order (tiny)
     ring = (world_size - 1) / world_size
-    # One unused-parameter slot per rank's chunk (see grads.py), and zeros that align each chunk to 16 bytes.
+    # One unused-parameter slot per rank's chunk (see grad_flags.py), and zeros that align each chunk to 16 bytes.
     slots = sum(reduce_numel(u) for u in units) - padded
     assert world_size * len(units) <= slots <= 4 * world_size * len(units)  # (at most 3 fp32 elements of padding)
     assert stats.by_kind["reduce_scatter"].bytes_sent == (padded + slots) * 4 * ring
@@ -359,7 +360,7 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     expected = theory_bytes(stage, numel, world_size)
     assert expected.params <= mem["params"] <= expected.params + 4 * world_size * len(units)
     assert expected.optimizer_states <= mem["optimizer_states"] + 8 * world_size * len(units)
-    # Full gradients are never kept: a parameter's .grad is at most its marker (no memory; see grads.py).
+    # Full gradients are never kept: a parameter's .grad is at most its marker (no memory; see markers.py).
     assert not any(_has_full_grad(sharded, p) for p in model.parameters())
     if stage == 3:
         assert all(u.flat.untyped_storage().nbytes() == 0 for u in units)
@@ -368,7 +369,7 @@ def _check_comm_and_memory(stage: int, world_size: int) -> None:
     # Every stage reduces the last unit's gradients, and frees them, while backward is still running
     # (asynchronously: the reduce-scatter overlaps the rest of backward).
     assert not any(g is not None for g in during_backward["last_grads"]), stage
-    # From the second step on, which parameters got a gradient rides in the reductions (see grads.py): no
+    # From the second step on, which parameters got a gradient rides in the reductions (see grad_flags.py): no
     # all-reduce of its own.
     opt.zero_grad()
     stats.reset()
@@ -402,7 +403,7 @@ def _four_ranks(rank: int, world_size: int) -> None:
         model = copy.deepcopy(reference)
         ddp = DistributedDataParallel(reference)
         ref_opt = _optimizer("sgd", ddp.parameters())
-        sharded = ShardedModel(model, stage=stage, comm=Comm())
+        sharded = shard_model(model, stage=stage, comm=Comm())
         opt = _optimizer("sgd", model.parameters())
         sharded.bind_optimizer(opt)
         data = torch.Generator().manual_seed(rank)
@@ -470,7 +471,7 @@ def test_world_of_one_without_process_group() -> None:
     torch.manual_seed(0)
     model, reference = _mlp(), None
     reference = copy.deepcopy(model)
-    sharded = ShardedModel(model, stage=3, comm=Comm())
+    sharded = shard_model(model, stage=3, comm=Comm())
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(reference.parameters(), lr=0.1)
     sharded.bind_optimizer(opt)
     x = torch.randn(4, 16)
@@ -485,22 +486,22 @@ def test_world_of_one_without_process_group() -> None:
 
 def test_model_without_parameters_is_refused() -> None:
     with pytest.raises(ValueError, match="has no parameters"):
-        ShardedModel(nn.ReLU(), stage=1, comm=Comm())
-    with pytest.raises(ValueError, match="stage must be one of"):
-        ShardedModel(_mlp(), stage=4, comm=Comm())
+        shard_model(nn.ReLU(), stage=1, comm=Comm())
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        shard_model(_mlp(), stage=4, comm=Comm())
 
 
 def test_unit_with_mixed_dtypes_is_refused() -> None:
     model = nn.Linear(2, 2)
     model.bias.data = model.bias.data.double()
     with pytest.raises(ValueError, match="mixes dtypes"):
-        ShardedModel(model, stage=2, comm=Comm())
+        shard_model(model, stage=2, comm=Comm())
 
 
 def test_frozen_parameters_get_no_gradient_and_no_optimizer_state() -> None:
     model = _mlp()
     model[0].requires_grad_(False)
-    sharded = ShardedModel(model, stage=2, comm=Comm(), policy=blocks(model))
+    sharded = shard_model(model, stage=2, comm=Comm(), units=blocks(model))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sharded.bind_optimizer(opt)
     model(torch.randn(2, 16)).sum().backward()
@@ -540,7 +541,7 @@ def _activation_checkpointing(rank: int, world_size: int) -> None:
             reference = _CheckpointedNet()
             model = copy.deepcopy(reference)
             ddp = DistributedDataParallel(reference)
-            sharded = ShardedModel(model, stage, Comm(), policy=policy)
+            sharded = shard_model(model, stage, Comm(), units=policy)
             ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
             opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
             sharded.bind_optimizer(opt)
@@ -581,7 +582,7 @@ def _attention(rank: int, world_size: int) -> None:
     reference = _AttentionNet()
     model = copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference)
-    sharded = ShardedModel(model, 3, Comm(), policy=owns_parameters)  # MHA atomic even then
+    sharded = shard_model(model, 3, Comm(), units=owns_parameters)  # MHA atomic even then
     assert [u.name for u in sharded.units] == ["attn", "head"]
     ref_opt, opt = torch.optim.Adam(ddp.parameters(), lr=1e-2), torch.optim.Adam(model.parameters(), lr=1e-2)
     sharded.bind_optimizer(opt)
@@ -610,7 +611,7 @@ def test_non_floating_parameter_is_refused_and_the_model_left_untouched() -> Non
     model[1].register_parameter("steps", nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"parameter '1.steps' in unit '1' has dtype torch.int64"):
-        ShardedModel(model, stage=3, comm=Comm(), policy=blocks(model))
+        shard_model(model, stage=3, comm=Comm(), units=blocks(model))
     for key, value in before.items():  # checked before anything was sharded: still readable, unchanged
         assert torch.equal(model.state_dict()[key], value), key
 
@@ -620,8 +621,8 @@ def _prefetch_and_reshard_options(rank: int, world_size: int) -> None:
     for prefetch, reshard in ((1, True), (2, True), (1, False)):
         torch.manual_seed(0)
         model = _mlp()
-        sharded = ShardedModel(
-            model, stage=3, comm=Comm(), policy=blocks(model), prefetch=prefetch, reshard_after_forward=reshard
+        sharded = shard_model(
+            model, stage=3, comm=Comm(), units=blocks(model), prefetch=prefetch, reshard_after_forward=reshard
         )
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sharded.bind_optimizer(opt)

@@ -1,4 +1,4 @@
-"""The memory and communication estimator (``lightning_zero.estimate``): arithmetic only, no processes (one
+"""The memory and communication estimator (``lightning_zero.planning``): arithmetic only, no processes (one
 subprocess runs the command line, to see what a user sees of a bad number)."""
 
 import doctest
@@ -11,20 +11,15 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_zero.estimate
+import lightning_zero.planning.arguments
+import lightning_zero.planning.estimate
 from lightning_zero import estimate_memory
 from lightning_zero.__main__ import main
-from lightning_zero.dry_run import build_on_meta
 from lightning_zero.engine.core.layout import ShardLayout
 from lightning_zero.engine.core.memory import theory_bytes, theory_comm_bytes
-from lightning_zero.estimate import (
-    INTER_NODE_GBPS,
-    INTRA_NODE_GBPS,
-    PCIE_GBPS,
-    ArgumentValueError,
-    parse_bytes,
-    parse_count,
-)
+from lightning_zero.planning.arguments import ArgumentValueError, parse_bytes, parse_count
+from lightning_zero.planning.estimate_report import INTER_NODE_GBPS, INTRA_NODE_GBPS, PCIE_GBPS
+from lightning_zero.tools.targets import build_on_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 PSI = 7_000_000_000
@@ -36,8 +31,9 @@ def totals(est):
 
 
 def test_docstring_examples_run() -> None:
-    result = doctest.testmod(lightning_zero.estimate)
-    assert result.attempted >= 3 and result.failed == 0
+    estimate = doctest.testmod(lightning_zero.planning.estimate)
+    arguments = doctest.testmod(lightning_zero.planning.arguments)
+    assert estimate.attempted >= 3 and arguments.attempted >= 2 and estimate.failed == arguments.failed == 0
 
 
 def test_classic_fp32_figures() -> None:

@@ -21,7 +21,7 @@ from torch import nn
 from lightning_zero.engine.errors import CheckpointSaveError, PeerFailureError
 from lightning_zero.engine.io.files import KILL_AT
 from lightning_zero.fabric import ZeRO3Strategy
-from lightning_zero.processes import LeaveBroken
+from lightning_zero.tools.processes import LeaveBroken
 from tests.distributed import spawn, spawn_killed
 
 KILLS = [  # (format, kill point, the step the checkpoint left behind holds)

@@ -18,7 +18,7 @@ from lightning_zero import ZeRO2Strategy, ZeRO3Strategy
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer
 
-# One unit per layer, as the default units of earlier releases: these tests need ranks that gather different units.
+# One unit per layer (the finest grain): these tests need ranks that gather different units.
 # (The default units put all of ParityNet, which has no repeated blocks, in the root unit: no divergence to catch.)
 PER_LAYER = [torch.nn.Linear, torch.nn.LayerNorm]
 

@@ -1,12 +1,12 @@
 """A fine-tuned sharded model written as a Hugging Face checkpoint by every rank at once
 (``strategy.save_pretrained(module, path)``, see [Note: writing a Hugging Face checkpoint] in
-``lightning_zero/engine/checkpoint/hf_export.py``), read back by plain ``from_pretrained`` in a fresh process: the
+``lightning_zero/engine/hf/export.py``), read back by plain ``from_pretrained`` in a fresh process: the
 weights and the logits are bitwise the trained ones, under the Trainer and under Fabric, also into folders that
 held another checkpoint (whose weights it replaces, keeping the other files), and the files put in place so that a
 crash at any step leaves the earlier or the new checkpoint (see [Note: replacing a Hugging Face checkpoint] in
 ``lightning_zero/engine/io/weight_folder.py``). A peft ``PeftModel`` is saved as peft saves it: its adapter (peft's
 files, loaded by peft) or the model with the adapter merged in, the same tensors as under DDP (see [Note: saving a
-peft model] in ``lightning_zero/engine/checkpoint/peft_export.py``)."""
+peft model] in ``lightning_zero/engine/hf/peft_export.py``)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from torch.utils.data import DataLoader
 
 import lightning_zero
 from lightning_zero import ZeRO3Strategy
-from lightning_zero.engine.checkpoint.hf_export import replace_checkpoint
-from lightning_zero.engine.checkpoint.saving import Ranks
 from lightning_zero.engine.errors import CheckpointSaveError, CollectiveMismatchError
+from lightning_zero.engine.hf.export import replace_checkpoint
+from lightning_zero.engine.io.ranks import Ranks
 from lightning_zero.engine.io.weight_folder import is_weight_file, replacement_steps
 from tests.distributed import spawn
 from tests.models import quiet_trainer
@@ -372,7 +372,7 @@ def _lora(base: nn.Module, alpha: int, seed: int, **config: Any) -> nn.Module:
 def test_an_adapter_replaced_in_a_folder_is_read_as_the_earlier_the_new_or_refused(tmp_path: Path) -> None:
     import peft
 
-    from lightning_zero.engine.checkpoint.peft_export import ADAPTER_FOLDER, check_mergeable
+    from lightning_zero.engine.hf.peft_export import ADAPTER_FOLDER, check_mergeable
 
     torch.manual_seed(0)
     base = build("llama", layers=1)

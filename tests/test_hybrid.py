@@ -24,7 +24,7 @@ from torch import nn
 
 import lightning_zero  # noqa: F401  registers the strategy names
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
-from lightning_zero.engine import Comm, ShardedModel, module_class_policy
+from lightning_zero.engine import Comm, module_class_policy, shard_model
 from lightning_zero.engine.comm.mesh import resolve_shard_size
 from tests.distributed import spawn
 from tests.test_trainer_parity import _train
@@ -94,7 +94,7 @@ def _groups_of_collectives(rank: int, world_size: int) -> None:
         reference = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
         reference.load_state_dict(net.state_dict())
         policy = None if stage < 3 else module_class_policy([nn.Linear])
-        sharded = ShardedModel(net, stage=stage, comm=Comm(), shard_size=2, policy=policy)
+        sharded = shard_model(net, stage=stage, comm=Comm(), shard_size=2, units=policy)
         assert dist.get_process_group_ranks(sharded.shard_comm.group) == mine
         assert sharded.replicate_comm is not None
         assert dist.get_process_group_ranks(sharded.replicate_comm.group) == [rank % 2, rank % 2 + 2]
@@ -120,7 +120,7 @@ def _groups_of_collectives(rank: int, world_size: int) -> None:
                     setattr(dist, name, fn)
             # The gathers and reduce-scatters (on gloo: broadcasts, and scatters or, for small buffers, all-to-alls) and
             # the norm stay inside the shard group; the only collective across groups is one all-reduce of each unit's
-            # gradient shard (half a unit), with its unused-parameter slot (see grads.py).
+            # gradient shard (half a unit), with its unused-parameter slot (see grad_flags.py).
             gathers = [c for c in calls if c[0] in ("scatter", "all_to_all_single", "broadcast") and c[2] > 1]
             assert gathers and all(ranks == mine for _, ranks, _ in gathers), (stage, gathers)
             across = [c for c in calls if c[1] == [rank % 2, rank % 2 + 2]]
@@ -156,7 +156,7 @@ def _refused(rank: int, world_size: int) -> list[str]:
             trainer.fit(ParityNet())
         messages.append(str(caught.value))
     with pytest.raises(ValueError, match="shard_size=3 does not divide"):
-        ShardedModel(nn.Linear(2, 2), stage=1, comm=Comm(), shard_size=3)
+        shard_model(nn.Linear(2, 2), stage=1, comm=Comm(), shard_size=3)
     return messages
 
 

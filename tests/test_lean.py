@@ -1,10 +1,10 @@
-"""Backward that frees as it goes, bounded buffers, no host syncs on the step path (issue 12, items 3-5).
+"""Backward that frees as it goes, bounded buffers, no host syncs on the step path.
 
 Every check runs the real engine on 2 gloo ranks and compares with DDP on the same seed and data:
 
 - peak units gathered at once during backward (stage 3) and full gradients alive at once (stage 2) on a
   model with an unused unit, one whose modules run in another order than they are registered, and a
-  LoRA-style model with frozen weights (see [Note: reduce order] in ``grads.py`` and [Note: frozen
+  LoRA-style model with frozen weights (see [Note: reduce order] in ``reduce_order.py`` and [Note: frozen
   units] in ``stage3.py``);
 - one end-of-backward callback under reentrant activation checkpointing ([Note: one end of backward]);
 - host reads (``aten._local_scalar_dense``, which ``item()``, ``bool()`` and ``tolist()`` lower to) on
@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
-from lightning_zero.engine import Comm, ShardedModel
+from lightning_zero.engine import Comm, ShardedModel, shard_model
 from lightning_zero.engine.core.grouping import module_class_policy
 from tests.distributed import spawn
 from tests.memory_tracker import live_bytes_since, live_storages
@@ -127,7 +127,7 @@ def _engine_run(
 ) -> tuple[list[float], dict[str, torch.Tensor], _Peaks, list[int]]:
     torch.manual_seed(0)
     model = Stack(kind, reentrant)
-    sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=module_class_policy([Block]))
+    sharded = shard_model(model, stage=stage, comm=Comm(), units=module_class_policy([Block]))
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     sharded.bind_optimizer(opt)
     peaks = _Peaks(sharded)
@@ -366,7 +366,7 @@ def _host_reads(rank: int, world_size: int) -> tuple[dict[str, Any], dict[str, A
             torch.manual_seed(0)
             model = Stack(kind)
             # Stage 3's collective checks (comm.py) are outside this count: "off" leaves only the step's own reads.
-            sharded = ShardedModel(model, stage=stage, comm=Comm(checks="off"), policy=module_class_policy([Block]))
+            sharded = shard_model(model, stage=stage, comm=Comm(checks="off"), units=module_class_policy([Block]))
             # As under Fabric's nonfinite_grads policy (True) or the Trainer (False: the flags ride in the reductions).
             sharded.reducer.check_finite = check_finite
             opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2, momentum=0.9)
@@ -376,7 +376,7 @@ def _host_reads(rank: int, world_size: int) -> tuple[dict[str, Any], dict[str, A
                 # Forward and backward (two micro-batches from the second step on: gradient accumulation), then the
                 # check for inf/NaN that the strategies run (known from the flags), optimizer step, parameters spread
                 # again. The flags of every backward pass are read once, at the step (see [Note: flags read at the
-                # step] in grads.py).
+                # step] in grad_flags.py).
                 micro_batches = 2 if step else 1
                 backward = []
                 for micro in range(micro_batches):
@@ -400,7 +400,7 @@ def _slots_catch_nonfinite(rank: int) -> dict[str, Any]:
     overflows are caught by the ranks whose shards hold the inf (both here: each holds one overflowed element)."""
     torch.manual_seed(0)
     net = nn.Linear(2, 1, bias=False)
-    sharded = ShardedModel(net, stage=2, comm=Comm(checks="off"))
+    sharded = shard_model(net, stage=2, comm=Comm(checks="off"))
     sharded.reducer.check_finite = True
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     sharded.bind_optimizer(opt)
@@ -446,10 +446,10 @@ def test_at_most_one_host_read_per_step() -> None:
 
 
 class PlaceholderCalls(Callback):
-    """Calls of the stage-3 placeholder and the arriving classes' ``__torch_function__`` (see ``placeholder.py``) made
-    by the engine's code, from the end of the first training batch to the end of the last: the step path, agreements
-    included. (The user's own reads, such as ``optimizer.zero_grad()`` clearing the ``.grad`` of a stage-3 parameter
-    whose unit is sharded, go through the class as any read by user code does.)"""
+    """Calls of the stage-3 placeholder and the arriving classes' ``__torch_function__`` (see ``placeholder.py`` and
+    ``arriving.py``) made by the engine's code, from the end of the first training batch to the end of the last: the
+    step path, agreements included. (The user's own reads, such as ``optimizer.zero_grad()`` clearing the ``.grad``
+    of a stage-3 parameter whose unit is sharded, go through the class as any read by user code does.)"""
 
     def __init__(self, counter: list[int]) -> None:
         self.counter = counter
@@ -462,15 +462,15 @@ class PlaceholderCalls(Callback):
 
 
 def _placeholder_calls(rank: int, world_size: int) -> dict[str, int]:
-    from lightning_zero.engine.core import placeholder
+    from lightning_zero.engine.core import arriving, placeholder
 
     counter = [0]
-    for cls in (placeholder._Hidden, placeholder._Arriving):
+    for cls in (placeholder._Hidden, arriving._Arriving):
         original = cls.__dict__["__torch_function__"].__func__
 
         def counting(klass: type, func: Any, types: Any, args: tuple = (), kwargs: Any = None, _o: Any = original):
             caller = sys._getframe(1)  # the Python code whose torch call this is
-            while caller is not None and caller.f_code.co_filename.endswith("placeholder.py"):
+            while caller is not None and caller.f_code.co_filename.endswith(("placeholder.py", "arriving.py")):
                 caller = caller.f_back
             if caller is not None and f"{os.sep}lightning_zero{os.sep}" in caller.f_code.co_filename:
                 counter[0] += 1

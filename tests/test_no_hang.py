@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import CollectiveMismatchError
-from lightning_zero.engine.comm.control import PeerFailureError
-from lightning_zero.processes import LeaveBroken
+from lightning_zero.engine.errors import PeerFailureError
+from lightning_zero.tools.processes import LeaveBroken
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer, token_data
 
@@ -111,7 +111,7 @@ class SaveOnRank0Only(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
-# Longer than a line: the other ranks are told it whole (it was once cut at 300 characters, mid-sentence).
+# Longer than a line (and than 300 characters): the other ranks are told it whole, to its last word.
 FAILURE = "rank 1's training_step divided by zero at batch 3, " + "and went on explaining why, " * 12 + "to its end."
 
 
@@ -173,7 +173,7 @@ class Watched(torch.utils.data.Dataset):
         return len(self.data)
 
     def __getitem__(self, index: int) -> Any:
-        self.seen.append(self.strategy._batch_agreement is not None)
+        self.seen.append(self.strategy._step_agreement.in_flight)
         return self.data[index]
 
 
@@ -190,7 +190,7 @@ class FetchedWhileAgreeing(ParityNet):
         return DataLoader(Watched(self.trainer.strategy, self.fetching), batch_size=4)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self.at_batch_start.append(self.trainer.strategy._batch_agreement is not None)
+        self.at_batch_start.append(self.trainer.strategy._step_agreement.in_flight)
 
 
 def _frozen_on_rank1(whole_layer: bool) -> ParityNet:
@@ -332,7 +332,7 @@ def test_ranks_that_part_ways_inside_a_step_fail_fast_naming_them(case: str, sta
         return
     if case == "direct on rank 1":
         # Rank 0 finds the deadlock and hosts the store: it stays until rank 1's monitor has read the verdict, so
-        # rank 1, the rank at fault, is told why its call failed (it used to get a bare "Connection closed").
+        # rank 1, the rank at fault, is told why its call failed (the verdict, not a bare "Connection closed").
         assert outcomes[0]["type"] == CollectiveMismatchError.__name__, outcomes
         for outcome in outcomes:
             assert "rank 1: torch.distributed.all_reduce, called from" in outcome["message"], outcomes
@@ -485,7 +485,7 @@ class NotReadyFor:
 
 
 def _state(status: str, token: int, group: str = "", index: int = -1, issued: Any = None, what: str = "") -> bytes:
-    """A rank's state as the control channel publishes it (``control._State``)."""
+    """A rank's state as the control channel publishes it (``stall._State``)."""
     fields = {"status": status, "token": token, "group": group, "index": index, "issued": issued, "what": what}
     return json.dumps(fields).encode()
 

@@ -21,7 +21,7 @@
   a recording one: a CPU cannot pin.
 
 On a CPU build "host" and "device" are the same memory: these tests prove the results and where each
-tensor is meant to live (see [Note: parameter offload] in ``engine/core/unit.py``), not a saving.
+tensor is meant to live (see [Note: parameter offload] in ``engine/core/compute_shard.py``), not a saving.
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ from torch import nn
 
 import lightning_zero.fabric as zero_fabric
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
-from lightning_zero.engine import Comm, ShardedModel
+from lightning_zero.engine import Comm, shard_model
+from lightning_zero.engine.core.grouping import UnitPlan
 from lightning_zero.engine.core.pinned import HostRegistration, PinnedPool, pinned_copy, pinned_empty
+from lightning_zero.engine.core.policy import EnginePolicy
 from lightning_zero.engine.core.unit import ShardedUnit
 from lightning_zero.engine.schedule.reduce import reduce_grads
 from tests.distributed import spawn
@@ -222,7 +224,7 @@ def test_offload_params_implies_offload_optimizer_and_is_a_bool() -> None:
         with pytest.raises(TypeError, match="offload_params must be True or False"):
             make(offload_params="yes")
     with pytest.raises(ValueError, match="needs stage 3"):
-        ShardedModel(nn.Linear(2, 2), stage=2, comm=Comm(), offload_params=True)
+        shard_model(nn.Linear(2, 2), stage=2, comm=Comm(), offload_params=True)
 
 
 def _one_rank_training(
@@ -231,7 +233,7 @@ def _one_rank_training(
     """A world of one (no process group: collectives are copies), on ``device``; ``watch()`` around the steps."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
-    sharded = ShardedModel(model, stage=3, comm=Comm(), device=torch.device(device), offload_params=offload_params)
+    sharded = shard_model(model, stage=3, comm=Comm(), device=torch.device(device), offload_params=offload_params)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sharded.bind_optimizer(optimizer)
     data = torch.randn(steps, 5, 8, generator=torch.Generator().manual_seed(1)).to(device)
@@ -291,7 +293,8 @@ def test_a_reduction_lets_go_of_its_output_once_the_shard_has_left_it(dtype: tor
     offload: the fp32 output must then be freed at ``wait()``, not held by the slot to the end of backward. In
     fp32 the shard is a view of the output, and so is the slot (no copy)."""
     layer = nn.Linear(6, 5).to(dtype)
-    unit = ShardedUnit("layer", layer, [layer.weight, layer.bias], ["weight", "bias"], Comm(), False)
+    plan = UnitPlan("layer", layer, [layer.weight, layer.bias], ["weight", "bias"])
+    unit = ShardedUnit(plan, Comm(), EnginePolicy(stage=2))
     for param in unit.params:
         param.grad = torch.ones_like(param)
     reduced = reduce_grads(unit, async_op=True)

@@ -21,7 +21,8 @@ import torch
 
 from lightning_zero import ParityReport, ZeROStrategy, check_parity
 from lightning_zero.__main__ import main
-from lightning_zero.parity import _loss_from, _report, _Run
+from lightning_zero.tools.parity import _loss_from
+from lightning_zero.tools.parity_report import Run, compare_runs
 from tests.models import ParityNet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,8 +126,8 @@ def test_invalid_arguments_fail_before_starting_processes() -> None:
 
 
 # ---------------------------------------------------------------------- the report, on made-up runs
-def _run(losses: list[float], norms: list[float], state: dict[str, torch.Tensor] | None) -> _Run:
-    return _Run(
+def _run(losses: list[float], norms: list[float], state: dict[str, torch.Tensor] | None) -> Run:
+    return Run(
         losses=losses, loss_sources=["training_step's output"], grad_norms=norms, global_step=len(norms), state=state
     )
 
@@ -137,7 +138,7 @@ def test_report_compares_every_rank_and_names_the_worst_parameter() -> None:
     zero_state = {"a": torch.tensor([1.0, 2.0, 4.0 + 8e-4]), "b": torch.tensor([10.0, 1e-3])}
     ddp = [_run([2.0, 1.0], [3.0, 2.0], ddp_state), _run([4.0, 3.0], [3.0, 2.0], None)]
     zero = [_run([2.0, 1.0], [3.0, 2.0], zero_state), _run([4.0, 3.0 + 3e-3], [3.0, 2.0 + 2e-6], None)]
-    report = _report(3, 2, 2, 1e-5, ddp, zero, initial)
+    report = compare_runs(3, 2, 2, 1e-5, ddp, zero, initial)
     assert not report.ok
     assert report.losses == [(3.0, 3.0), (2.0, pytest.approx(2.0015))]  # means over ranks
     assert report.max_abs_loss_diff == pytest.approx(3e-3) and report.max_rel_loss_diff == pytest.approx(1e-3)
@@ -145,11 +146,11 @@ def test_report_compares_every_rank_and_names_the_worst_parameter() -> None:
     assert report.worst_param == "a"  # relative to the tensor's scale: 8e-4 / 4 beats 1e-3 / 10
     assert report.max_abs_param_diff == pytest.approx(1e-3, rel=1e-3)
     assert report.max_rel_param_diff == pytest.approx(2e-4, rel=1e-3)
-    assert _report(3, 2, 2, 2e-3, ddp, zero, initial).ok
-    only_params = _report(3, 2, 2, 1e-5, ddp, [_run(r.losses, r.grad_norms, zero_state) for r in ddp], initial)
+    assert compare_runs(3, 2, 2, 2e-3, ddp, zero, initial).ok
+    only_params = compare_runs(3, 2, 2, 1e-5, ddp, [_run(r.losses, r.grad_norms, zero_state) for r in ddp], initial)
     assert not only_params.ok and any("gradient norms agree but a does not" in n for n in only_params.notes)
 
-    same = _report(1, 2, 2, 0.0, ddp, ddp, initial)
+    same = compare_runs(1, 2, 2, 0.0, ddp, ddp, initial)
     assert same.ok and same.worst_param is None and same.max_abs_param_diff == 0.0
     assert "(all equal)" in str(same) and ": OK" in str(same)
 
@@ -159,13 +160,13 @@ def test_report_fails_on_structure_and_notes_what_it_could_not_compare() -> None
     nan = math.nan
     ddp = [_run([nan, nan], [1.0, 1.0], state)]
     ddp[0].loss_sources = ["nowhere"]
-    report = _report(2, 1, 2, 1e-5, ddp, ddp, {"w": torch.ones(2)})
+    report = compare_runs(2, 1, 2, 1e-5, ddp, ddp, {"w": torch.ones(2)})
     assert report.ok  # NaN losses on both sides are not a difference
     assert any("losses were not compared" in note for note in report.notes)
     assert any("left every parameter unchanged" in note for note in report.notes)
 
     shorter = [_run([1.0], [1.0], {"w": torch.ones(3), "extra": torch.ones(1)})]
-    report = _report(2, 1, 2, 1.0, [_run([1.0, 1.0], [1.0, 1.0], state)], shorter, {})
+    report = compare_runs(2, 1, 2, 1.0, [_run([1.0, 1.0], [1.0, 1.0], state)], shorter, {})
     assert not report.ok
     text = "\n".join(report.notes)
     assert (

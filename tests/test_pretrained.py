@@ -2,7 +2,7 @@
 ``configure_model`` (or under ``fabric.init_module()``) as users write them, against DDP running the same code (the
 plain ``from_pretrained`` there). The "pretrained" checkpoints are tiny models saved in the test with
 ``save_pretrained`` (no downloads). See [Note: pretrained weights under meta init] in
-``lightning_zero/engine/meta/pretrained.py``."""
+``lightning_zero/engine/hf/weights.py``."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader
 import lightning_zero
 from lightning_zero.engine.comm.control import CollectiveMismatchError
 from lightning_zero.engine.errors import CorruptCheckpointError
-from lightning_zero.engine.io.weight_files import WeightFiles
+from lightning_zero.engine.hf.weight_files import WeightFiles
+from lightning_zero.engine.hf.weights import plan_weight_load
 from lightning_zero.engine.meta.init_trace import MetaInitError, record_meta_init
-from lightning_zero.engine.meta.pretrained import plan_weight_load
 from tests.distributed import spawn
 from tests.models import quiet_trainer
 from tests.real_models import build, dataset, logits, save_pretrained
@@ -130,7 +130,7 @@ def _trainer_cases(rank: int, world_size: int, paths: dict[str, str], hostile: d
     module = FineTune("llama", paths["llama"], plain=True)
     with pytest.raises(MetaInitError, match=r"lightning_zero\.from_pretrained\(AutoModelForCausalLM, path"):
         quiet_trainer(strategy="zero3", devices=2, max_steps=1).fit(module)
-    # save_pretrained on rank 0 only: its state_dict() gathers, which rank 1 does not join; named, with the fix.
+    # save_pretrained on rank 0 only: its state_dict() gathers, which rank 1 does not join; named, with what to pass.
     module = FineTune("llama", paths["llama"], export=f"{paths['llama']}-rank0", rank0_export=True)
     with pytest.raises(CollectiveMismatchError, match=r"is_main_process=trainer\.is_global_zero") as raised:
         quiet_trainer(strategy="zero3", devices=2, max_steps=1).fit(module)
@@ -328,11 +328,11 @@ def test_from_pretrained_load_weights_and_litgpt_init_under_fabric(pretrained: d
 _HUB_SCRIPT = """
 import torch, transformers
 import lightning_zero
-from lightning_zero.engine import Comm, ShardedModel
+from lightning_zero.engine import Comm, shard_model
 from lightning_zero.engine.meta.init_trace import record_meta_init
 with record_meta_init() as trace:  # as configure_model runs under stage 3
     model = lightning_zero.from_pretrained(transformers.AutoModelForCausalLM, "tiny-org/tiny-llama")
-ShardedModel(model, stage=3, comm=Comm(), meta_init=trace)
+shard_model(model, stage=3, comm=Comm(), meta_init=trace)
 reference = transformers.AutoModelForCausalLM.from_pretrained("tiny-org/tiny-llama")
 state = model.state_dict()
 assert all(torch.equal(state[k], v) for k, v in reference.state_dict().items())
@@ -420,7 +420,7 @@ def test_safetensors_header_lengths_and_shapes_are_checked(tmp_path: Path) -> No
     true_length = struct.unpack("<Q", valid[:8])[0]
     assert WeightFiles.open(path).keys() == ["a", "b"]
     cases = {
-        # A huge header length is refused, not allocated (it was MemoryError: '').
+        # A huge header length is refused with its figure, before anything is allocated for it.
         2**40: r"its header length says 1099511627776 bytes, more than the format's limit of 100000000",
         true_length + 100: rf"its header length says {true_length + 100} bytes, past the end of the file",
         true_length - 5: rf"its {true_length - 5}-byte header is not JSON",  # cut inside the JSON
@@ -518,7 +518,7 @@ def test_a_directory_with_several_layouts_is_read_as_transformers_reads_it(tmp_p
 def test_from_pretrained_dtype_and_subfolder_are_transformers_own(tmp_path: Path) -> None:
     """No dtype, "auto" (from the config, or from the weights where the config records none), a name and a
     torch.dtype, and a subfolder: the model built on meta and loaded has transformers' dtypes, values and config."""
-    from lightning_zero.engine import Comm, ShardedModel
+    from lightning_zero.engine import Comm, shard_model
 
     torch.manual_seed(4)
     build("llama", layers=1).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
@@ -528,19 +528,22 @@ def test_from_pretrained_dtype_and_subfolder_are_transformers_own(tmp_path: Path
     (tmp_path / "unrecorded" / "config.json").write_text(json.dumps(config))
     shutil.copytree(tmp_path / "bf16", tmp_path / "nested" / "inner")
     cases = [
-        ("bf16", {}),  # float32 in transformers 4 (it was bfloat16 here)
-        ("bf16", {"torch_dtype": "auto"}),  # it was: module 'torch' has no attribute 'auto'
+        ("bf16", {}),  # float32 in transformers 4, not the checkpoint's bfloat16
+        (
+            "bf16",
+            {"torch_dtype": "auto"},
+        ),  # "auto": the config's dtype, as transformers reads it (not a torch attribute)
         ("bf16", {"dtype": "auto"}),
         ("unrecorded", {"dtype": "auto"}),
         ("bf16", {"torch_dtype": "float16"}),
         ("bf16", {"dtype": torch.float64, "torch_dtype": torch.float16}),  # dtype wins, as there
-        ("nested", {"subfolder": "inner", "dtype": "auto"}),  # it was: no weights in 'nested'
+        ("nested", {"subfolder": "inner", "dtype": "auto"}),  # the weights are read from 'nested/inner'
     ]
     for name, kwargs in cases:
         path = str(tmp_path / name)
         with record_meta_init() as trace:
             model = lightning_zero.from_pretrained(transformers.AutoModelForCausalLM, path, **kwargs)
-        ShardedModel(model, stage=3, comm=Comm(), meta_init=trace)
+        shard_model(model, stage=3, comm=Comm(), meta_init=trace)
         reference = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
         assert model.config.dtype == reference.config.dtype, (name, kwargs)
         state = model.state_dict()

@@ -1,5 +1,5 @@
 """The engine's work in a ``torch.profiler`` trace (see [Note: profiler labels] in ``comm/labels.py``), and a
-unit's phases over a step (see [Note: unit lifecycle] in ``core/unit.py``)."""
+unit's phases over a step (see [Note: unit lifecycle] in ``core/unit_state.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_zero.engine import Comm, ShardedModel, ShardedUnit, UnitPhase, owns_parameters
+from lightning_zero.engine import Comm, ShardedUnit, UnitPhase, owns_parameters, shard_model
 from lightning_zero.engine.comm.labels import label
 from tests.distributed import spawn
 from tests.test_engine import TiedNet
@@ -41,7 +41,7 @@ def _labels_per_step(rank: int, world_size: int) -> None:
     for stage in (2, 3):
         torch.manual_seed(0)
         model = _mlp()
-        sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=owns_parameters)  # a unit per Linear
+        sharded = shard_model(model, stage=stage, comm=Comm(), units=owns_parameters)  # a unit per Linear
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sharded.bind_optimizer(opt)
         units = len(sharded.units)
@@ -128,7 +128,7 @@ def _phases_over_a_step(rank: int, world_size: int) -> None:
         for stage in (2, 3):
             torch.manual_seed(0)
             model = TiedNet()
-            sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=owns_parameters)
+            sharded = shard_model(model, stage=stage, comm=Comm(), units=owns_parameters)
             names = [u.name for u in sharded.units]
             assert names == ["<root>", "up", "down"]  # the root holds the tied weight and is held for the step
             assert log.take() == {name: [idle] for name in names}  # every unit starts idle

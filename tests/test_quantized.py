@@ -1,4 +1,4 @@
-"""Quantized collectives (issue 30): ``quantize_weights="int8"`` (stage 3's gathers for compute) and
+"""Quantized collectives: ``quantize_weights="int8"`` (stage 3's gathers for compute) and
 ``quantize_grads="int8"`` (the reduce-scatters of stages 2 and 3). The codec's error bound; a quarter of the bytes
 through a real Trainer and through Fabric on 2 ranks, with the final loss within 2% of the exact run's; state dicts
 that stay exact while a unit is gathered quantized; the refusals; the estimator's and the dry run's byte counts
@@ -261,7 +261,7 @@ def test_the_estimator_and_the_dry_run_count_the_quantized_bytes_inside_the_shar
     assert int8_row.comm_bytes == pytest.approx(plain_row.comm_bytes * 2 * row_bytes(45_150, 4, 1) / (4 * 90_300))
     script = (
         "import json, sys\n"
-        "from lightning_zero.dry_run import dry_run\n"
+        "from lightning_zero.tools.dry_run import dry_run\n"
         "quantized = {'quantize_weights': 'int8', 'quantize_grads': 'int8'}\n"
         "runs = [dry_run('examples/dry_run_gpt.py:GPTSmall', world_size=8, shard_size=2, stage=3,"
         " unit_modules=['Block'], batch_shape=(2, 64), **q).as_dict() for q in ({}, quantized)]\n"
@@ -342,10 +342,11 @@ class Outliers(L.LightningModule):
 
 
 def _outlying_values() -> None:
-    """Issue 49: a gain of 1e4 beside an embedding had 255 of its weights gathered as exactly 0 (quantize_weights), a
-    gain's large gradient zeroed theirs (quantize_grads), and the -inf of a frozen mask made its blocks NaN. Against
-    the exact run: each embedding weight as gathered (step 0), or after one SGD update (step 1), within half a step
-    of its block's scale, finite losses, and the final loss within 0.1%."""
+    """Values no block may share a scale with: a gain of 1e4 beside an embedding (with a shared scale, 255 of the
+    embedding's weights would be gathered as exactly 0 under quantize_weights), a gain's large gradient beside theirs
+    (which would zero them under quantize_grads), and the -inf of a frozen mask (which would make its blocks NaN).
+    Against the exact run: each embedding weight as gathered (step 0), or after one SGD update (step 1), within half a
+    step of its block's scale, finite losses, and the final loss within 0.1%."""
     for gain, options in ((1e4, {"quantize_weights": "int8"}), (1e-8, {"quantize_grads": "int8"})):
         runs = []
         for quantized in ({}, options):

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy, ZeROStrategy
-from lightning_zero.engine import Comm, ShardedModel, module_class_policy, record_meta_init
+from lightning_zero.engine import Comm, module_class_policy, record_meta_init, shard_model
 from tests.distributed import spawn
 from tests.memory_tracker import LiveStorageBytes
 from tests.models import quiet_trainer
@@ -58,7 +58,7 @@ def _meta_init_equals_ordinary(rank: int, world_size: int) -> dict[str, Any]:
         with record_meta_init() as trace:
             model = build(name)
         torch.manual_seed(1)  # draws between building and setup do not change the values
-        sharded = ShardedModel(model, stage=3, comm=comm, meta_init=trace)
+        sharded = shard_model(model, stage=3, comm=comm, meta_init=trace)
         assert torch.equal(torch.get_rng_state(), generator_after), f"{name}: random generator left elsewhere"
         full = sharded.full_state_dict()
         buffers = dict(model.named_buffers())
@@ -83,7 +83,7 @@ def _meta_init_equals_ordinary(rank: int, world_size: int) -> dict[str, Any]:
         "block": sum(p.numel() for p in model.transformer.h[0].parameters()),
     }
     with LiveStorageBytes() as tracker:
-        sharded = ShardedModel(model, stage=3, comm=comm, policy=module_class_policy(["GPT2Block"]), meta_init=trace)
+        sharded = shard_model(model, stage=3, comm=comm, units=module_class_policy(["GPT2Block"]), meta_init=trace)
     shards = 4 * sum(u.layout.shard_numel for u in sharded.units)
     predicted = shards + 4 * (numels["root"] + numels["block"])
     full_model = 4 * (numels["root"] + 6 * numels["block"])

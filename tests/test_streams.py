@@ -20,10 +20,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from lightning_zero.engine import Comm, ShardedModel
+from lightning_zero.engine import Comm, shard_model
 from lightning_zero.engine.checkpoint import background
-from lightning_zero.engine.core.grouping import owns_parameters
+from lightning_zero.engine.core.grouping import UnitPlan, owns_parameters
 from lightning_zero.engine.core.pinned import HostRegistration
+from lightning_zero.engine.core.policy import EnginePolicy, Offload
 from lightning_zero.engine.core.unit import ShardedUnit
 from lightning_zero.engine.schedule.reduce import host_copies_event, reduce_grads
 
@@ -116,10 +117,11 @@ def _copy_into(streams: _Streams, tensor: torch.Tensor) -> tuple[str, ...]:
     return found[0]
 
 
-def _linear_unit(**options: Any) -> ShardedUnit:
+def _linear_unit(stage: int, offload: Offload = Offload.NONE, **options: Any) -> ShardedUnit:
     torch.manual_seed(0)
     layer = nn.Linear(6, 5)
-    return ShardedUnit("layer", layer, [layer.weight, layer.bias], ["weight", "bias"], Comm(), **options)
+    plan = UnitPlan("layer", layer, [layer.weight, layer.bias], ["weight", "bias"])
+    return ShardedUnit(plan, Comm(), EnginePolicy(stage=stage, offload=offload, **options))
 
 
 # ---------------------------------------------------------------------- a sharded gradient to the host
@@ -130,7 +132,7 @@ def test_a_reduced_shard_goes_to_the_host_on_the_reduce_stream(param_dtype: torc
     the end of backward waits for (``host_copies_event``); its device source is kept for the side stream."""
     values = []
     for fake in (None, _Streams()):
-        unit = _linear_unit(reshard_after_forward=False, offload=True, param_dtype=param_dtype)
+        unit = _linear_unit(2, Offload.OPTIMIZER, param_dtype=param_dtype)
         unit.streams = fake
         for param in unit.params:
             param.grad = torch.arange(param.numel(), dtype=param.dtype).view(param.shape) / 7
@@ -161,7 +163,7 @@ def test_a_refreshed_shard_is_copied_in_and_gathered_from_the_copy_stream(stage:
     writes the master again; the all-gather that reads the shard is issued from the same stream, after the copy
     (stages 1 and 2 at once, stage 3 at its next gather)."""
     fake = _Streams()
-    unit = _linear_unit(reshard_after_forward=stage == 3, offload=True)
+    unit = _linear_unit(stage, Offload.OPTIMIZER)
     unit.streams = fake
     issued: list[str] = []
     all_gather = unit.comm.all_gather
@@ -196,7 +198,7 @@ def test_an_offloaded_shard_is_staged_on_the_copy_stream_and_waited_for_on_the_c
     """``offload_params``: each gather copies the host shard into a staging shard on the ``"copy_in"`` side stream
     and issues the all-gather from there; a blocking gather is waited for afterwards, on the compute stream."""
     fake = _Streams()
-    unit = _linear_unit(reshard_after_forward=True, offload_params=True)
+    unit = _linear_unit(3, Offload.PARAMS)
     want = unit.master.clone()
     unit.streams = fake
     on_wait: list[str] = []
@@ -231,7 +233,7 @@ def test_training_with_side_streams_gives_the_same_bits(stage: int, options: dic
     for fake in (None, _Streams()):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-        sharded = ShardedModel(model, stage=stage, comm=Comm(), policy=owns_parameters, **options)
+        sharded = shard_model(model, stage=stage, comm=Comm(), units=owns_parameters, **options)
         for unit in sharded.units:
             unit.streams = fake
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -273,7 +275,7 @@ def test_an_asynchronous_save_stages_on_its_side_stream() -> None:
     registry = _Registry()
     pinned = background.PinnedBuffers(host=HostRegistration(registry.register, registry.unregister))
     weights = {"w": torch.arange(6.0), "nested": [torch.ones(2, 3)]}
-    sharded = ShardedModel(nn.Linear(3, 3), stage=2, comm=Comm())
+    sharded = shard_model(nn.Linear(3, 3), stage=2, comm=Comm())
     with fake.copies():
         staged = background.stage_on_host(
             weights, pinned, streams=lambda device: fake, join_later=sharded.order_writes_after
@@ -322,8 +324,8 @@ def test_a_shard_refresh_waits_for_the_gather_in_flight(stage: int) -> None:
     """``_refresh_shard`` called directly with an all-gather in flight (stages 1 and 2: it writes the shard, a view
     of ``flat``; stage 3 with offload: it reads the shard): the gather is waited for first, and only then is the
     shard overwritten (see [Note: a refresh waits for the gather in flight] in ``unit.py``)."""
-    options: dict[str, Any] = {"param_dtype": torch.bfloat16} if stage == 2 else {"offload": True}
-    unit = _linear_unit(reshard_after_forward=stage == 3, **options)
+    options: dict[str, Any] = {"param_dtype": torch.bfloat16} if stage == 2 else {"offload": Offload.OPTIMIZER}
+    unit = _linear_unit(stage, **options)
     assert unit.shard is not None and unit.shard is not unit.master
     before = unit.shard.clone()
     in_flight = _InFlight(unit.shard)
@@ -343,7 +345,7 @@ def test_each_units_forward_waits_only_for_its_own_post_step_gather() -> None:
     is waited for. A unit read by compiled code is waited for in ``begin_step``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    sharded = ShardedModel(model, stage=2, comm=Comm(), policy=owns_parameters)
+    sharded = shard_model(model, stage=2, comm=Comm(), units=owns_parameters)
     names = [unit.name for unit in sharded.units]
     assert names == ["0", "2", "4"]
     order: list[str] = []
@@ -384,7 +386,7 @@ def test_a_unit_read_by_compiled_code_is_waited_for_at_the_start_of_the_step() -
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     model[2] = torch.compile(model[2], backend="eager")
-    sharded = ShardedModel(model, stage=2, comm=Comm(), policy=owns_parameters)
+    sharded = shard_model(model, stage=2, comm=Comm(), units=owns_parameters)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sharded.bind_optimizer(optimizer)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))

@@ -127,7 +127,7 @@ def _run(rank: int, world_size: int, root: str) -> None:
     assert all(torch.equal(saved[k], v) for k, v in ddp.state_dict().items())
     # Each run's end checks again: with the limit lifted, the end of predict gathered the parameters.
     assert all(torch.equal(model.state_dict()[k], v) for k, v in ddp.state_dict().items())
-    # With room for both, the end of fit leaves DDP's full optimizer states, as before.
+    # With room for both (no limit), the end of fit leaves DDP's full optimizer states.
     torch.manual_seed(0)
     model = Stack()
     trainer = quiet_trainer(strategy="zero3", devices=world_size, max_steps=2)

@@ -278,7 +278,7 @@ def _accounting(rank: int, world_size: int) -> None:
         kept = accounting.units[-1][0] if stage == 3 else 0  # net.2 ends this model's forward
         assert stats["reduce_scatter"]["calls"] == len(accounting.units)
         assert stats["all_gather"]["calls"] == len(accounting.units) * (2 if stage == 3 else 1) - (stage == 3)
-        # One unused-parameter slot per rank's chunk (see grads.py), and zeros that align each chunk to 16 bytes.
+        # One unused-parameter slot per rank's chunk (see grad_flags.py), and zeros that align each chunk to 16 bytes.
         slots = accounting.reduced - padded
         sent = stats["reduce_scatter"]["bytes_sent"] - slots * 4 * ring + stats["all_gather"]["bytes_sent"]
         assert sent == ((3 if stage == 3 else 2) * padded - kept) * 4 * ring

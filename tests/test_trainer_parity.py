@@ -26,7 +26,7 @@ from tests.models import ParityNet, quiet_trainer
 
 STRATEGIES = ("zero1", "zero2", "zero3", "zero3-per-layer")
 # ParityNet has no repeated blocks, so the default units put it all in the root unit; "zero3-per-layer" keeps one
-# unit per layer (the default of earlier releases), so that gathers, releases and reductions per unit are compared too.
+# unit per layer (the finest grain), so that gathers, releases and reductions per unit are compared too.
 FACTORIES = {"zero3-per-layer": lambda: ZeRO3Strategy(unit_modules=[nn.Linear, nn.LayerNorm, nn.BatchNorm1d])}
 
 

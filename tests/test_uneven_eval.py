@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, Subset
 
 from lightning_zero import ZeRO1Strategy, ZeRO2Strategy, ZeRO3Strategy
 from lightning_zero.engine import CollectiveMismatchError
-from lightning_zero.processes import LeaveBroken
+from lightning_zero.tools.processes import LeaveBroken
 from tests.distributed import spawn
 from tests.models import ParityNet, quiet_trainer, token_data
 

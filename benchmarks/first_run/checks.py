@@ -20,7 +20,7 @@ from benchmarks.model import BenchConfig, BenchData
 # Measured peak / the estimator's device_peak for offload. The estimate leaves out a step's transients (the
 # gradients of the unit being reduced, the reduce buffers in flight: a few units' worth; 1.17-1.26 on a CPU for
 # the same model, where the host's state counts as well); a device that held every unit's sharded gradient to the
-# end of backward (issue 44, item 2: 4 bytes per parameter, 101 MB for the benchmark GPT) lands above. Set before
+# end of backward (4 bytes per parameter, 101 MB for the benchmark GPT) lands above. Set before
 # any GPU ran it: the first run's figures are the calibration.
 MEMORY_BOUNDS = (0.8, 1.6)
 MEMORY_BATCH = 1  # sequences per step for the memory check: small activations, so that model states weigh
@@ -33,8 +33,8 @@ def async_save(variant: Variant, config: BenchConfig, device: torch.device, step
     hold the values of its step, bit for bit, the run must be the one without the save (``trained(variant)``), and
     a run resumed from the file must end where the uninterrupted run did."""
     from lightning_zero.engine.checkpoint.background import BackgroundSaves, stage_on_host
+    from lightning_zero.engine.checkpoint.pieces import piece_optimizer_state, piece_state_dict
     from lightning_zero.engine.checkpoint.saving import save_full
-    from lightning_zero.engine.checkpoint.sharded import piece_optimizer_state, piece_state_dict
 
     at = steps // 2
     run = ShardedRun(variant, config, device)
@@ -132,8 +132,8 @@ def offload_memory(variant: Variant, config: BenchConfig, device: torch.device) 
     """Peak device memory of a few steady steps against ``estimate_memory``'s ``device_peak`` (model states,
     gathered units and the profiled activations) at the same batch (``MEMORY_BATCH`` sequences: small activations,
     so that the states weigh)."""
-    from lightning_zero.activations import profile_activations
-    from lightning_zero.estimate import estimate_memory
+    from lightning_zero.planning.activations import profile_activations
+    from lightning_zero.planning.estimate import estimate_memory
 
     small = dataclasses.replace(config, batch_size=MEMORY_BATCH)
     model = fresh_model(small, device, compiled=False)

@@ -157,7 +157,7 @@ class DelayedComm(Comm):
     Example::
 
         comm = DelayedComm(checks="off", run_alone=True, delay_s=0.002)
-        sharded = ShardedModel(model, stage=3, comm=comm)   # results must not change
+        sharded = shard_model(model, stage=3, comm=comm)   # results must not change
     """
 
     def __init__(self, *args: Any, delay_s: float = 0.002, **kwargs: Any) -> None:

@@ -6,8 +6,9 @@ block twice in forward (``tests/test_no_hang.py``'s "more calls" case): its extr
 earlier steps recorded, so it agrees first, while rank 0, still on track, issues its next gather without asking.
 On gloo rank 0 then blocks in a wait of its own, whose stall report finds rank 1 in an agreement; on NCCL a wait
 does not block the host, and rank 0 must meet the error where the host next waits (an agreement, or a wait for
-the device that reports itself: item 1 of issue 44). A rank that has not raised within ``LIMIT`` seconds is a
-failure (without the reports it would wait for the process group's timeout, 30 minutes by default, then abort).
+the device that reports itself: [Note: waits for the device] in ``engine/comm/device_wait.py``). A rank that has
+not raised within ``LIMIT`` seconds is a failure (without the reports it would wait for the process group's
+timeout, 30 minutes by default, then abort).
 """
 
 from __future__ import annotations

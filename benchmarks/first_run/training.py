@@ -197,18 +197,18 @@ class ShardedRun:
         forward: Forward | None = None,
         rank: int = 0,
     ) -> None:
-        from lightning_zero.engine import ShardedModel, module_class_policy
+        from lightning_zero.engine import module_class_policy, shard_model
 
         self.variant, self.device, self.rank = variant, device, rank
         self.data = BenchData(config, seed=0)
         self.model = fresh_model(config, device, variant.compiled)
         self.forward: Forward = forward or (lambda model, x, y: model(x, y))
         self.comm = comm if comm is not None else one_rank_comm(variant)
-        self.sharded = ShardedModel(
+        self.sharded = shard_model(
             self.model,
             stage=variant.stage,
             comm=self.comm,
-            policy=module_class_policy(["Block"]),
+            units=module_class_policy(["Block"]),
             param_dtype=variant.param_dtype,
             offload_optimizer=variant.offload_optimizer,
             offload_params=variant.offload_params,

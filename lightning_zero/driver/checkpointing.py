@@ -7,9 +7,9 @@ Two formats (``checkpoint_format=``):
   ``LightningModule.load_from_checkpoint``. Every rank writes its own shards into it, in parallel;
   nothing is gathered (see [Note: parallel full file] in ``engine/io/torch_file.py``).
 - ``"sharded"``: a directory. Every rank writes its own file of shards with
-  ``torch.distributed.checkpoint`` (see [Note: checkpoint layout] and [Note: sharded layout] in
-  ``engine/checkpoint/sharded.py``); rank 0 adds ``meta.pt`` with Lightning's part (loops, callbacks, LR
-  schedulers, hyper-parameters, precision state) and what the shards need to be reassembled.
+  ``torch.distributed.checkpoint`` (see [Note: checkpoint layout] in ``engine/checkpoint/pieces.py`` and
+  [Note: sharded layout] in ``engine/checkpoint/sharded.py``); rank 0 adds ``meta.pt`` with Lightning's part
+  (loops, callbacks, LR schedulers, hyper-parameters, precision state) and what the shards need to be reassembled.
 
 Either kind loads at any world size, under any stage. Saves follow [Note: save protocol] in
 ``engine/checkpoint/saving.py`` (crash-safe, cleaned up on failure; ``ZeRODriver.save_sharded`` / ``save_full``);
@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from lightning_zero.engine.checkpoint.saving import Ranks, gather_from_every_rank
 from lightning_zero.engine.checkpoint.sharded import META_FILE, consolidate_state, load_sharded
 from lightning_zero.engine.errors import CheckpointSaveError, WeightsOnlyCheckpointError
 from lightning_zero.engine.io.files import (
@@ -38,6 +37,7 @@ from lightning_zero.engine.io.files import (
     remove,
     temporary_path,
 )
+from lightning_zero.engine.io.ranks import Ranks, gather_from_every_rank
 from lightning_zero.engine.io.safe_read import (
     CorruptCheckpointError,
     UnsafeCheckpointError,

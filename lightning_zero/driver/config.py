@@ -3,8 +3,9 @@
 The Trainer's ``ZeROStrategy`` and Fabric's ``ZeROFabricStrategy`` take the same keyword arguments (their names and
 errors are the public surface: Lightning CLI and YAML configs pass them as they are) and build one frozen
 ``ZeROConfig`` from them. A wrong value fails there with a message that says what to pass instead; defaults that
-depend on the stage (``meta_init``, ``bucket_size_mb``) and implications (``offload_params`` implies
-``offload_optimizer``) are resolved there too, so the rest of the code reads settled values.
+depend on the stage (``meta_init``, ``bucket_size_mb``) are resolved there too, and the engine's own rules (which
+stage takes which option, what implies what) are those of the ``EnginePolicy`` it builds (see [Note: one policy] in
+``engine/core/policy.py``), so the rest of the code reads settled values.
 """
 
 from __future__ import annotations
@@ -18,15 +19,14 @@ from typing import Any, Literal
 import torch
 from torch.nn import Module
 
-from lightning_zero.engine.comm.mesh import ShardSize, check_shard_size
+from lightning_zero.engine.comm.mesh import ShardSize
 from lightning_zero.engine.comm.quantized import Quantization
 from lightning_zero.engine.comm.sequence import CollectiveChecks
+from lightning_zero.engine.core.policy import Accumulate, EnginePolicy, Offload, check_offload_flag
 from lightning_zero.engine.schedule.recompute import check_policy
-from lightning_zero.engine.sharded_model import check_offload_params, check_quantize
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 CheckpointFormat = Literal["full", "sharded"]
-Accumulate = Literal["sharded", "local"]
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 CHECKPOINT_FORMATS = ("full", "sharded")
 BACKENDS = ("gloo", "nccl", "mpi", "ucc")
@@ -39,7 +39,6 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's and Lightning's default_pg_ti
 
 def validate_options(
     unit_modules: Any,
-    broadcast_buffers: Any,
     process_group_backend: Any,
     timeout: Any,
     checkpoint_format: Any,
@@ -47,7 +46,6 @@ def validate_options(
     log_stats: Any,
     nonfinite_grads: Any,
     collective_checks: Any,
-    offload_optimizer: Any = False,
     meta_init: Any = None,
 ) -> None:
     if unit_modules is not None:
@@ -61,13 +59,8 @@ def validate_options(
                 raise TypeError(f"unit_modules entries must be nn.Module subclasses or class names, got {entry!r}")
     if meta_init is not None and not isinstance(meta_init, bool):
         raise TypeError(f"meta_init must be True, False or None (the stage's default), got {meta_init!r}")
-    for name, value in (
-        ("broadcast_buffers", broadcast_buffers),
-        ("log_stats", log_stats),
-        ("offload_optimizer", offload_optimizer),
-    ):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if not isinstance(log_stats, bool):
+        raise TypeError(f"log_stats must be True or False, got {log_stats!r}")
     if process_group_backend is not None and (
         not isinstance(process_group_backend, str) or not _valid_backend(process_group_backend)
     ):
@@ -119,46 +112,7 @@ def parse_dtype(option: str, value: Any) -> torch.dtype | None:
             f"{option}={value!r} is not a dtype; use torch.float32, torch.bfloat16 or torch.float16 (or 'float32', "
             "'bfloat16', 'float16')"
         )
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"{option} must be float32, bfloat16 or float16, got {dtype}")
-    return dtype
-
-
-def validate_overlap_options(stage: int, bucket_size_mb: Any, prefetch: Any, reshard_after_forward: Any) -> None:
-    """The communication options, each for the stages it applies to."""
-    if bucket_size_mb is not None:
-        if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or bucket_size_mb < 0:
-            raise ValueError(f"bucket_size_mb must be a number of megabytes >= 0, got {bucket_size_mb!r}")
-        if stage == 3:
-            raise ValueError(
-                "bucket_size_mb applies to stages 1 and 2; stage 3 gathers parameters per unit, so choose its units "
-                "with unit_modules (e.g. unit_modules=['Block'])"
-            )
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch must be an integer >= 0 (units gathered ahead), got {prefetch!r}")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
-    if stage < 3 and (prefetch != 1 or not reshard_after_forward):
-        raise ValueError(
-            f"prefetch and reshard_after_forward apply to stage 3 (stage {stage} never frees parameters); "
-            "remove them or use ZeRO3Strategy"
-        )
-
-
-def resolve_accumulate(stage: int, accumulate: Any) -> Accumulate:
-    """``accumulate`` as the engine uses it: stage 1 always adds up full gradients locally (``"local"``); stages 2
-    and 3 reduce-scatter every micro-batch unless told ``"local"`` (see [Note: local accumulation] in
-    ``engine/schedule/grads.py``)."""
-    if accumulate is not None and accumulate not in ("sharded", "local"):
-        raise ValueError(f"accumulate must be 'sharded' or 'local' (or None: the stage's default), got {accumulate!r}")
-    if stage == 1:
-        if accumulate == "sharded":
-            raise ValueError(
-                "stage 1 keeps full gradients and reduce-scatters them once per optimizer step (what "
-                "accumulate='local' means); accumulate='sharded' needs ZeRO2Strategy or ZeRO3Strategy"
-            )
-        return "local"
-    return accumulate or "sharded"
+    return dtype  # (which dtypes the engine computes in is the policy's rule: EnginePolicy)
 
 
 def default_bucket_size_mb(stage: int, unit_modules: Any, bucket_size_mb: float | None) -> float | None:
@@ -167,14 +121,6 @@ def default_bucket_size_mb(stage: int, unit_modules: Any, bucket_size_mb: float 
     if bucket_size_mb is None and stage < 3 and unit_modules is None:
         return 25.0
     return bucket_size_mb
-
-
-def bucket_numel(bucket_size_mb: float | None, module: Module) -> int:
-    """The engine's ``bucket_numel`` for ``bucket_size_mb`` megabytes of ``module``'s parameters (0: no buckets)."""
-    if not bucket_size_mb:
-        return 0
-    element = next((p.element_size() for p in module.parameters()), 4)
-    return int(bucket_size_mb * 2**20) // element
 
 
 @dataclass(frozen=True)
@@ -215,13 +161,28 @@ class ZeROConfig:
     quantize_grads: Quantization | None = None
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 2, 3):
-            raise ValueError(f"stage must be 1, 2 or 3, got {self.stage!r}")
         if not isinstance(self.async_save, bool):
             raise TypeError(f"async_save must be True or False, got {self.async_save!r}")
+        check_offload_flag("offload_optimizer", self.offload_optimizer)
+        check_offload_flag("offload_params", self.offload_params)
+        # The engine's rules (which stage takes which option, what implies what): see [Note: one policy] in
+        # engine/core/policy.py.
+        policy = EnginePolicy(
+            stage=self.stage,
+            param_dtype=parse_dtype("param_dtype", self.param_dtype),
+            reduce_dtype=parse_dtype("reduce_dtype", self.reduce_dtype),
+            offload=Offload.of(self.offload_optimizer, self.offload_params),
+            quantize_weights=self.quantize_weights,
+            quantize_grads=self.quantize_grads,
+            prefetch=self.prefetch,
+            reshard_after_forward=self.reshard_after_forward,
+            accumulate=self.accumulate,
+            bucket_size_mb=default_bucket_size_mb(self.stage, self.unit_modules, self.bucket_size_mb),
+            shard_size=self.shard_size,
+            broadcast_buffers=self.broadcast_buffers,
+        )
         validate_options(
             unit_modules=self.unit_modules,
-            broadcast_buffers=self.broadcast_buffers,
             process_group_backend=self.process_group_backend,
             timeout=self.timeout,
             checkpoint_format=self.checkpoint_format,
@@ -229,28 +190,32 @@ class ZeROConfig:
             log_stats=self.log_stats,
             nonfinite_grads=self.nonfinite_grads,
             collective_checks=self.collective_checks,
-            offload_optimizer=self.offload_optimizer,
             meta_init=self.meta_init,
         )
-        validate_overlap_options(self.stage, self.bucket_size_mb, self.prefetch, self.reshard_after_forward)
-        check_offload_params(self.stage, self.offload_params)
-        check_quantize(self.stage, self.quantize_weights, self.quantize_grads)
-        check_shard_size(self.shard_size)
         check_policy(self.activation_checkpointing_policy)
-        policy = self.activation_checkpointing_policy
+        checkpointing = self.activation_checkpointing_policy
         resolved = {
-            "accumulate": resolve_accumulate(self.stage, self.accumulate),
-            "activation_checkpointing_policy": frozenset(policy) if isinstance(policy, (set, list, tuple)) else policy,
+            "accumulate": policy.accumulate,
+            "activation_checkpointing_policy": (
+                frozenset(checkpointing) if isinstance(checkpointing, (set, list, tuple)) else checkpointing
+            ),
             "unit_modules": None if self.unit_modules is None else tuple(self.unit_modules),
-            "param_dtype": parse_dtype("param_dtype", self.param_dtype),
-            "reduce_dtype": parse_dtype("reduce_dtype", self.reduce_dtype),
-            # see [Note: parameter offload] in engine/core/unit.py
-            "offload_optimizer": self.offload_optimizer or self.offload_params,
+            "param_dtype": policy.param_dtype,
+            "reduce_dtype": policy.reduce_dtype,
+            "offload_optimizer": policy.offload.optimizer,
             "meta_init": self.stage == 3 if self.meta_init is None else self.meta_init,
-            "bucket_size_mb": default_bucket_size_mb(self.stage, self.unit_modules, self.bucket_size_mb),
+            "bucket_size_mb": policy.bucket_size_mb,
         }
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_policy", policy)
+
+    def engine_policy(self, param_dtype: torch.dtype | None, shard_size: int | None = None) -> EnginePolicy:
+        """The engine's policy for a run whose precision computes in ``param_dtype`` (the door resolves it from
+        the precision plugin and this config's ``param_dtype``), sharding over ``shard_size`` ranks (resolved from
+        this config's ``shard_size`` at the run's topology; ``None``: every rank)."""
+        policy: EnginePolicy = self._policy  # type: ignore[attr-defined]
+        return policy.replace(param_dtype=param_dtype, shard_size=shard_size)
 
     def replace(self, **changes: Any) -> ZeROConfig:
         """A copy with ``changes``, validated again."""

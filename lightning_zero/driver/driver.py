@@ -43,27 +43,28 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_zero.driver import agreement
-from lightning_zero.driver.config import ZeROConfig, bucket_numel
+from lightning_zero.driver.config import ZeROConfig
 from lightning_zero.driver.failures import RAISED_ON_EVERY_RANK, explain_peer_failure, peer_went_away
 from lightning_zero.engine.checkpoint.background import BackgroundSaves, stage_on_host
-from lightning_zero.engine.checkpoint.hf_export import save_with_transformers, write_hf_checkpoint
-from lightning_zero.engine.checkpoint.peft_export import (
+from lightning_zero.engine.checkpoint.pieces import checkpoint_meta, plain_module_checkpoint
+from lightning_zero.engine.checkpoint.saving import save_full, save_sharded_directory
+from lightning_zero.engine.comm.advice import EXPORT_CALL
+from lightning_zero.engine.comm.comm import Comm
+from lightning_zero.engine.comm.control import ControlChannel, abort_if_broken
+from lightning_zero.engine.comm.process_exit import destroy_at_exit, mark_failed
+from lightning_zero.engine.core.grouping import module_class_policy
+from lightning_zero.engine.errors import CheckpointSaveError, PeerFailureError
+from lightning_zero.engine.free_memory import kept_sharded_text
+from lightning_zero.engine.hf.export import save_with_transformers, write_hf_checkpoint
+from lightning_zero.engine.hf.peft_export import (
     check_mergeable,
     holds_adapter_layers,
     is_peft_model,
     write_adapter,
     write_merged,
 )
-from lightning_zero.engine.checkpoint.saving import Ranks, save_full, save_sharded_directory
-from lightning_zero.engine.checkpoint.sharded import checkpoint_meta, plain_module_checkpoint
-from lightning_zero.engine.comm.advice import EXPORT_CALL
-from lightning_zero.engine.comm.comm import Comm
-from lightning_zero.engine.comm.control import ControlChannel, PeerFailureError, abort_if_broken
-from lightning_zero.engine.comm.process_exit import destroy_at_exit, mark_failed
-from lightning_zero.engine.core.grouping import module_class_policy
-from lightning_zero.engine.errors import CheckpointSaveError
-from lightning_zero.engine.free_memory import kept_sharded_text
 from lightning_zero.engine.io.files import atomic_torch_save
+from lightning_zero.engine.io.ranks import Ranks
 from lightning_zero.engine.meta.continued import ContinuedRecording
 from lightning_zero.engine.meta.init_trace import InitTrace, record_meta_init, refuse_plain_from_pretrained
 from lightning_zero.engine.meta.materialize import has_meta_tensors
@@ -171,23 +172,11 @@ class ZeRODriver:
         apply_activation_checkpointing(module, config.activation_checkpointing_policy)
         self.sharded = ShardedModel(
             module,
-            stage=config.stage,
-            comm=comm,
-            policy=None if config.unit_modules is None else module_class_policy(config.unit_modules),
-            broadcast_buffers=config.broadcast_buffers,
-            param_dtype=param_dtype,
-            reduce_dtype=config.reduce_dtype,
-            offload_optimizer=config.offload_optimizer,
-            offload_params=config.offload_params,
+            comm,
+            config.engine_policy(param_dtype, shard_size),
+            units=None if config.unit_modules is None else module_class_policy(config.unit_modules),
             device=device,
             meta_init=trace,
-            prefetch=config.prefetch,
-            reshard_after_forward=config.reshard_after_forward,
-            accumulate=config.accumulate,
-            quantize_weights=config.quantize_weights,
-            quantize_grads=config.quantize_grads,
-            bucket_numel=bucket_numel(config.bucket_size_mb, module),
-            shard_size=shard_size,
         )
         return self.sharded
 
@@ -347,9 +336,9 @@ class ZeRODriver:
     def save_pretrained(self, root: Module, module: Module, path: str | Path, merged: bool = False) -> None:
         """``module`` (part of ``root``) as a Hugging Face checkpoint folder in place of the one ``path`` holds, every
         rank writing its share (see [Note: writing a Hugging Face checkpoint] and [Note: save_pretrained into a
-        folder] in ``engine/checkpoint/hf_export.py``); rank 0 calls ``module.save_pretrained`` when the model is
+        folder] in ``engine/hf/export.py``); rank 0 calls ``module.save_pretrained`` when the model is
         not sharded. A peft ``PeftModel``: its adapter, as peft writes it, or with ``merged`` the model with the
-        adapter merged in (see [Note: saving a peft model] in ``engine/checkpoint/peft_export.py``). Every rank
+        adapter merged in (see [Note: saving a peft model] in ``engine/hf/peft_export.py``). Every rank
         agrees first that it is here, before anything is gathered or written: called on one rank only, it raises
         ``CollectiveMismatchError`` and leaves nothing behind. What cannot be saved so is refused next, on every
         rank, with ``CheckpointSaveError``."""

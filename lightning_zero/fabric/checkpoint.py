@@ -33,13 +33,13 @@ from torch.optim import Optimizer
 
 from lightning_zero.driver.checkpointing import read_checked
 from lightning_zero.driver.driver import ZeRODriver
-from lightning_zero.engine.checkpoint.sharded import (
-    load_sharded,
+from lightning_zero.engine.checkpoint.pieces import (
     piece_optimizer_state,
     piece_state_dict,
     sharded_model_state,
     sharded_optimizer_state,
 )
+from lightning_zero.engine.checkpoint.sharded import load_sharded
 from lightning_zero.engine.errors import CorruptCheckpointError
 from lightning_zero.engine.io.files import find_checkpoint
 

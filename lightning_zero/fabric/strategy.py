@@ -39,13 +39,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.driver.config import CheckpointFormat
+from lightning_zero.driver.door_calls import begin_load, begin_save, module_to_device, refuse_storage_options
 from lightning_zero.driver.options import ZeROOptions
+from lightning_zero.driver.precision import arm_finite_check, checks_finite
 from lightning_zero.driver.topology import ProcessTopology
 from lightning_zero.engine.comm.device_wait import read_on_host
 from lightning_zero.engine.core.placeholder import refuse_module_sharded_elsewhere
-from lightning_zero.engine.meta.materialize import has_meta_tensors
 from lightning_zero.fabric import checkpoint
-from lightning_zero.fabric.precision import check_precision, shard_scaler, skip_nonfinite_step
+from lightning_zero.fabric.precision import check_precision, has_scaler, shard_scaler, skip_nonfinite
 from lightning_zero.fabric.wrapper import ShardedForward, StepBracket, ZeROBackwardSyncControl
 
 USER_REDUCE = "fabric.all_reduce in user code"
@@ -139,12 +140,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
 
     @override
     def module_to_device(self, module: Module) -> None:
-        if has_meta_tensors(module):  # built by init_module on meta: the engine creates it on the device
-            for tensor in [*module.parameters(), *module.buffers()]:
-                if not tensor.is_meta and tensor.device != self.root_device:
-                    tensor.data = tensor.data.to(self.root_device)
-        else:
-            module.to(self.root_device)
+        module_to_device(module, self.root_device)  # built by init_module on meta: the engine creates the rest
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -162,10 +158,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
                 module, device=self.root_device, param_dtype=param_dtype, shard_size=self.resolved_shard_size()
             )
             shard_scaler(self.precision, sharded, self.root_device.type)
-        # The nonfinite policy reads every step whether any rank's gradients hold inf/NaN: the backward pass's
-        # flags answer it without a collective of its own (see ``GradReducer.check_finite``).
-        has_scaler = getattr(self.precision, "scaler", None) is not None
-        sharded.reducer.check_finite = not has_scaler and self.nonfinite_grads != "ignore"
+        arm_finite_check(sharded, self.nonfinite_grads, has_scaler(self.precision))
         self._steps = StepBracket(sharded, on_failure=self.on_exception)
         return ShardedForward(module, self._steps)
 
@@ -214,9 +207,8 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         with self._reporting_failures():
             self._end_step()
             sharded = self.sharded_model
-            scaler = getattr(self.precision, "scaler", None)
-            if scaler is None and self.nonfinite_grads != "ignore":
-                self.skipped_steps += skip_nonfinite_step(sharded, optimizer, self.nonfinite_grads, self.skipped_steps)
+            if checks_finite(self.nonfinite_grads, has_scaler(self.precision)):
+                self.skipped_steps += skip_nonfinite(sharded, optimizer, self.nonfinite_grads, self.skipped_steps)
             with sharded.on_shards(optimizer):
                 output = self.precision.optimizer_step(optimizer, **kwargs)
             sharded.after_optimizer_step(optimizer)
@@ -342,15 +334,11 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         """``fabric.save``: a sharded directory (``checkpoint_format="sharded"``) or one full file that every rank
         writes its pieces into, through the save protocol of the Trainer's strategies (crash-safe, the same
         failure reports; see [Note: save protocol] in ``engine/checkpoint/saving.py``); call on every rank."""
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
+        refuse_storage_options(self, storage_options)
         with self._reporting_failures():
             self._end_evaluation()
-            sharded = self.driver.sharded
-            if sharded is not None:
-                sharded.comm.agree_event("save_checkpoint", lambda: f"fabric.save({str(path)!r})")
-            target = Path(self.broadcast(str(path)))
-            if sharded is not None and self.checkpoint_format == "sharded":
+            target = begin_save(self.driver, "fabric.save", path)
+            if self.driver.sharded is not None and self.checkpoint_format == "sharded":
                 checkpoint.save_sharded_state(self.driver, self.device_mesh, state, target, filter)
             else:
                 checkpoint.save_full_state(self.driver, state, target, filter, self._convert_stateful_objects_in_state)
@@ -368,8 +356,7 @@ class ZeROFabricStrategy(ZeROOptions, ProcessTopology, ParallelStrategy):
         entries not restored into ``state`` are returned."""
         with self._reporting_failures():
             self._end_evaluation()
-            self.driver.finish_saves()  # it may be the checkpoint being written
-            target = Path(self.broadcast(str(path)))
+            target = begin_load(self.driver, path)
             return checkpoint.load_state(self.driver, lambda: self.device_mesh, target, state, strict, weights_only)
 
     def finish_saves(self) -> None:

@@ -17,8 +17,8 @@ for anything else: a training forward, a backward, an optimizer step, clipping, 
 teardown. Ending it is local (the units are freed; nothing is exchanged), so a rank that has finished its forwards
 goes on to whatever it does next, and the ranks still running theirs are served at its next agreement: the next
 training forward, a barrier, a broadcast, a save or load, the teardown, or a ``fabric.all_reduce`` between
-training steps (agreed for this; inside a step it is checked in the step's sequence, as before). Under stage 3 the
-forwards of the step after the first are joined forwards (see [Note: joined forwards] in
+training steps (agreed for this; inside a step it is checked in the step's sequence, as every collective of the
+step is). Under stage 3 the forwards of the step after the first are joined forwards (see [Note: joined forwards] in
 ``engine/schedule/joined.py``): each is agreed, and a rank that has gone elsewhere serves their gathers from
 there. The step's beginning is agreed so too (``CollectiveSequence.begin_no_grad_step``): when every rank begins
 it, as a Trainer step's agreement, its first forward riding on it (a validation loop pays one agreement per
@@ -123,7 +123,7 @@ class StepBracket:
         step = self.counts["evaluation"]
 
         sharded = self.sharded
-        broadcasts = _broadcasts_buffers(sharded)
+        broadcasts = sharded.next_step_broadcasts_buffers
 
         def describe() -> str:
             first = f", {BROADCASTS_BUFFERS}" if broadcasts else ""
@@ -169,17 +169,6 @@ class StepBracket:
         if self.open:
             self.open = False
             self.sharded.end_step()
-
-
-def _broadcasts_buffers(sharded: ShardedModel) -> bool:
-    """Whether ``sharded.begin_step`` begins with a broadcast of rank 0's buffers now (see [Note: buffer broadcast]
-    in ``engine/sharded_model.py``)."""
-    return bool(
-        sharded._forward_syncs_buffers
-        and sharded.broadcast_buffers
-        and sharded._has_buffers
-        and sharded.comm.world_size > 1
-    )
 
 
 class ShardedForward(nn.Module):

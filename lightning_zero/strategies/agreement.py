@@ -5,14 +5,17 @@ both front doors agree on is in ``driver/agreement.py``).
   gradients are being accumulated), so that a rank that ran out of data, went on to validation or
   froze a layer alone is named at once instead of pairing its collectives with another step's
   (evaluation steps, which ranks may run different numbers of: see [Note: uneven evaluation]);
-- at the start of a training batch: whether any rank received SIGTERM.
+- at the start of a training batch: whether any rank received SIGTERM (``StepAgreement``: where that agreement
+  stands, from the batch's start to its ``training_step``).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import signal
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -23,6 +26,7 @@ from lightning_zero.driver.agreement import PHASES, trainable_hash
 from lightning_zero.engine import Comm
 from lightning_zero.engine.comm.advice import AFTER_TRAINING, SERVING
 from lightning_zero.engine.comm.sequence import PendingStep
+from lightning_zero.engine.sharded_model import ShardedModel
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +75,20 @@ def after_training(trainer: Any) -> str | None:
     return f"in {hook}, {AFTER_TRAINING}" if hook in _AFTER_TRAINING_HOOKS else None
 
 
-def any_sigterm(pending: PendingStep) -> bool | None:
-    """Whether any rank had its SIGTERM flag set in ``pending`` (waits for it); ``None`` if nothing was exchanged."""
+class BatchStart(enum.Enum):
+    """What the step agreement at the start of a training batch says (see [Note: the start of a training batch])."""
+
+    STOP = "stop"  # some rank received SIGTERM: every rank raises Lightning's SIGTERMException, before the batch
+    GO = "go"  # every rank starts the batch (or the answer is still on its way: settled once the batch is fetched)
+    UNAGREED = "unagreed"  # nothing was exchanged: Lightning's own broadcast runs
+
+
+def _answer(pending: PendingStep) -> BatchStart:
+    """What every rank's SIGTERM flag in ``pending`` says (waits for it)."""
     shared = pending.result()
-    return None if shared is None else any(shared)
+    if shared is None:
+        return BatchStart.UNAGREED
+    return BatchStart.STOP if any(shared) else BatchStart.GO
 
 
 def stop_for_sigterm(trainer: Any) -> None:
@@ -138,7 +152,7 @@ class SigtermRelay:
         self.pending = True
 
 
-def wrap_batch_start(trainer: Any, agree: Callable[[bool], bool | None]) -> Callable[[], None] | None:
+def wrap_batch_start(trainer: Any, agree: Callable[[bool], BatchStart]) -> Callable[[], None] | None:
     """Run ``agree`` where Lightning's training loop starts a batch, in place of what it does there.
 
     [Note: the start of a training batch]
@@ -163,9 +177,10 @@ def wrap_batch_start(trainer: Any, agree: Callable[[bool], bool | None]) -> Call
     received SIGTERM and raises Lightning's ``SIGTERMException`` there, together, before the batch: the same
     exit as Lightning's, at the same batch on every rank, and from any rank, not rank 0 only. (Validation
     already under way finishes first.) Without that method (another Lightning version) nothing is wrapped,
-    and the agreement happens in ``training_step`` as before. ``agree`` takes this rank's flag and returns
-    whether any rank has one, ``False`` when the answer comes later (below), or ``None`` when it exchanged
-    nothing (then Lightning's broadcast runs). Returns the function that removes the wrapper.
+    and the agreement happens in ``training_step``, after the fetch. ``agree`` takes this rank's flag and returns a
+    ``BatchStart``: ``STOP`` if any rank has one, ``GO`` if none has or the answer comes later (below),
+    ``UNAGREED`` when it exchanged nothing (then Lightning's broadcast runs). Returns the function that removes
+    the wrapper.
 
     The agreement is issued here and waited for after the fetch: at the start of the strategy's
     ``batch_to_device``, before the batch's transfer and every hook from ``transfer_batch_to_device`` on, or
@@ -191,10 +206,10 @@ def wrap_batch_start(trainer: Any, agree: Callable[[bool], bool | None]) -> Call
     def start_batch() -> None:
         if not relay.installed:
             relay.install()
-        anyone = agree(relay.pending or bool(getattr(trainer, "received_sigterm", False)))
-        if anyone is None:
+        answer = agree(relay.pending or bool(getattr(trainer, "received_sigterm", False)))
+        if answer is BatchStart.UNAGREED:
             original()
-        elif anyone:
+        elif answer is BatchStart.STOP:
             stop_for_sigterm(trainer)
 
     loop._broadcast_sigterm_tensor = start_batch
@@ -203,6 +218,94 @@ def wrap_batch_start(trainer: Any, agree: Callable[[bool], bool | None]) -> Call
         vars(loop).pop("_broadcast_sigterm_tensor", None)
 
     return remove
+
+
+class AgreementState(enum.Enum):
+    """Where the agreement on the next training step stands (``StepAgreement.state``)."""
+
+    NONE = "none"  # nothing agreed ahead: ``training_step`` agrees on its step itself
+    IN_FLIGHT = "in flight"  # issued at the batch's start; its answer travels while the batch is fetched
+    AGREED = "agreed"  # agreed at the batch's start: ``training_step`` continues that step's sequence
+
+
+@dataclass
+class StepAgreement:
+    """The Trainer's agreement on the next training step, from the start of its batch (``wrap_batch_start``) to the
+    ``training_step`` that runs it (see [Note: the start of a training batch]). The strategy holds one and calls it
+    from the batch's start (``start_batch``), the batch's transfer (``settle``), ``training_step``
+    (``begin_training_step``), the optimizer step (``gathered_ahead``) and the end of a run (``forget``).
+
+    Example::
+
+        agreement = StepAgreement()
+        agreement.install(trainer, lambda sigterm: agreement.start_batch(sharded, trainer, step, sigterm))
+        agreement.settle()                                      # in batch_to_device
+        agreement.begin_training_step(sharded, trainer, step)   # in training_step
+    """
+
+    state: AgreementState = AgreementState.NONE
+    step: int = 0  # the training step agreed on (``IN_FLIGHT``, ``AGREED``), counted since setup
+    describe: Callable[[], str] | None = None  # what that step is, for the reports
+    pending: PendingStep | None = None  # ``IN_FLIGHT``: the exchange on its way
+    trainer: Any = None  # whose batch started
+    # Stage 3: the last optimizer step issued the next step's first gathers (see [Note: gathers at the start of a
+    # batch] in engine/sharded_model.py).
+    gathered_ahead: bool = False
+    uninstall: Callable[[], None] | None = None  # removes the wrapper of the batch's start
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state is AgreementState.IN_FLIGHT
+
+    def install(self, trainer: Any, agree: Callable[[bool], BatchStart]) -> None:
+        """Agree at the start of every training batch of ``trainer``'s loop (``wrap_batch_start``)."""
+        self.uninstall = wrap_batch_start(trainer, agree)
+
+    def remove(self) -> None:
+        """Give the batch's start back to Lightning (at teardown)."""
+        if self.uninstall is not None:
+            self.uninstall()
+            self.uninstall = None
+
+    def start_batch(self, sharded: ShardedModel, trainer: Any, step: int, sigterm: bool) -> BatchStart:
+        """Issue the agreement on training step ``step`` with this rank's SIGTERM flag. Its answer travels during
+        the fetch unless stage 3 gathers on it now (a batch that no optimizer step gathered for: see [Note: gathers
+        at the start of a batch]); then ``GO`` issues those gathers."""
+        self.settle()  # (one a batch that ``on_train_batch_start`` never saw left pending)
+        describe, pending = before_training_batch(sharded.comm, trainer, sharded.params, step, sigterm)
+        self.step, self.describe, self.trainer = step, describe, trainer
+        if pending.exchanges and (sharded.stage3 is None or self.gathered_ahead):
+            self.state, self.pending = AgreementState.IN_FLIGHT, pending  # nothing is issued on its answer
+            return BatchStart.GO
+        self.state = AgreementState.AGREED
+        answer = _answer(pending)
+        if answer is BatchStart.GO:  # every rank starts this training step
+            sharded.gather_for_next_step()
+        return answer
+
+    def settle(self) -> None:
+        """Wait for the agreement if it is in flight, and stop every rank together if some rank received SIGTERM."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        self.state = AgreementState.AGREED
+        if _answer(pending) is BatchStart.STOP:
+            stop_for_sigterm(self.trainer)
+
+    def begin_training_step(self, sharded: ShardedModel, trainer: Any, step: int) -> None:
+        """Start the sequence of training step ``step``: the one agreed at its batch's start, or agreed now."""
+        agreed = self.describe if self.state is not AgreementState.NONE and self.step == step else None
+        self.state, self.describe, self.gathered_ahead = AgreementState.NONE, None, False
+        accumulating = sharded.reducer.no_sync_requested
+        begin_training_step(sharded.comm, trainer, sharded.params, accumulating, step, agreed)
+
+    def forget(self, sharded: ShardedModel | None) -> None:
+        """Drop an agreement still in flight when the run stops (an error, teardown): it is not waited for."""
+        if self.pending is not None:
+            self.pending = None
+            self.state = AgreementState.NONE
+            if sharded is not None:
+                sharded.comm.forget_step()
 
 
 def begin_eval_step(comm: Comm, phase: str, step: int, describe: Callable[[], str], joined: bool) -> None:
@@ -227,14 +330,14 @@ def begin_eval_step(comm: Comm, phase: str, step: int, describe: Callable[[], st
 
     Stage 3 gathers every unit in each forward, so a rank that has run out of batches must take part in the
     gathers of the ranks still running, for as long as they run (a *join*, as DDP's ``join()`` for
-    training). Each step is agreed, as before, and carries a flag: this rank runs a batch. At the end of its
-    last batch (Lightning's ``batch_progress.is_last_batch``, known in advance because the loop's fetcher
-    reads one batch ahead), a rank *serves* (``serve_eval_steps``): it agrees on the next step with its flag
+    training). Each evaluation step is agreed, as a training step is, and carries a flag: this rank runs a batch.
+    At the end of its last batch (Lightning's ``batch_progress.is_last_batch``, known in advance because the loop's
+    fetcher reads one batch ahead), a rank *serves* (``serve_eval_steps``): it agrees on the next step with its flag
     down; if another rank's flag is up, it replays one evaluation forward's gathers, unit by unit in the
     recorded order and with the same prefetches (``Stage3Hooks.replay_eval_forward``), which pair with that
     rank's first forward of the batch, and goes on to the next step; once no flag is up every rank has
     finished, and all leave the loop together, to what follows it (the loop's synced logging, the teardown) in
-    step again. So one agreement per batch, as before, and one more per loop. A batch that runs more forwards
+    step again. So one agreement per batch, and one more per loop. A batch that runs more forwards
     (a generation loop: one per new token) has each later one agreed, and the serving rank serves it from the
     agreement it is in (see [Note: joined forwards] in ``engine/schedule/joined.py``), as a rank that is done
     generating serves the others' within a batch. A served step is a step of the "evaluation"

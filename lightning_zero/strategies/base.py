@@ -6,24 +6,22 @@ A thin adapter over the ``ZeRODriver`` Fabric's strategies use too (see [Note: o
 ``ShardedModel``, saves and failures. This class translates the hooks Lightning offers: ``setup`` shards the
 module and binds the optimizers, the ``*_step`` hooks bracket user code so stage 3 can hold the root unit (the
 evaluation steps in ``evaluation.py``), ``optimizer_step`` spreads updated shards, ``block_backward_sync``
-defers stage-1 reduction, and the state-dict hooks convert between shards and the full, DDP-shaped state.
+defers stage-1 reduction; the state-dict and checkpoint hooks convert between shards and the full, DDP-shaped
+state (``checkpoints.py``), and ``full_model.py`` serves what user code asks of the whole model.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Generator
+from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -32,39 +30,32 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.driver import agreement as driver_agreement
-from lightning_zero.driver import checkpointing
 from lightning_zero.driver.config import CheckpointFormat
+from lightning_zero.driver.door_calls import module_to_device
 from lightning_zero.driver.options import ZeROOptions
+from lightning_zero.driver.precision import param_dtype_for
 from lightning_zero.driver.topology import ProcessTopology
-from lightning_zero.engine.checkpoint.sharded import (
-    piece_optimizer_state,
-    piece_state_dict,
-    sharded_model_state,
-    sharded_optimizer_state,
-)
-from lightning_zero.engine.comm.sequence import PendingStep
 from lightning_zero.engine.core.placeholder import has_hidden_parameters, refuse_module_sharded_elsewhere
-from lightning_zero.engine.io.files import find_checkpoint, remove_checkpoint
 from lightning_zero.engine.meta.materialize import has_meta_tensors
 from lightning_zero.engine.sharded_model import ShardedModel
 from lightning_zero.strategies import agreement
 from lightning_zero.strategies.callbacks import bracket_full_parameter_callbacks, unbracket
+from lightning_zero.strategies.checkpoints import CheckpointHooks
 from lightning_zero.strategies.evaluation import EvaluationSteps
-from lightning_zero.strategies.memory_report import MemoryReport, memory_report
-from lightning_zero.strategies.precision import ZeROPrecision
+from lightning_zero.strategies.full_model import FullModelAccess, unwrap_optimizer
+from lightning_zero.strategies.precision import TRAINER_WORDS, ZeROPrecision
 from lightning_zero.strategies.stats import StepStats
 
 log = logging.getLogger(__name__)
 LIGHTNING_REDUCE = "Lightning's reduce (self.log(..., sync_dist=True))"
 
 
-class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrategy):
+class ZeROStrategy(ZeROOptions, EvaluationSteps, FullModelAccess, CheckpointHooks, ProcessTopology, ParallelStrategy):
     """Shared base of ``ZeRO1Strategy``, ``ZeRO2Strategy`` and ``ZeRO3Strategy``; use those.
 
     Args:
@@ -163,11 +154,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         # The evaluation loop under way or last run since the last training step: its phase, and this rank's batches
         # in it so far (see [Note: uneven evaluation] in strategies/agreement.py).
         self._evaluation: tuple[str, int] | None = None
-        self._agreed_step: tuple[int, Callable[[], str]] | None = None  # the step agreed at its batch's start
-        # That agreement while it is still in flight (see [Note: the start of a training batch]).
-        self._batch_agreement: PendingStep | None = None
-        self._gathered_for_next_step = False  # stage 3: an optimizer step issued the next step's first gathers
-        self._unwrap_batch_start: Callable[[], None] | None = None
+        self._step_agreement = agreement.StepAgreement()  # see [Note: the start of a training batch]
         self._step_stats = StepStats()
         self._inserted_callbacks: list[pl.Callback] = []
 
@@ -211,12 +198,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         self.accelerator.setup(trainer)
         assert isinstance(self.precision_plugin, ZeROPrecision)
         precision = self.precision_plugin
-        if self.param_dtype is not None and not precision.is_mixed:
-            raise ValueError(
-                f"param_dtype={self.param_dtype} applies to mixed precision (Trainer(precision='bf16-mixed' or "
-                f"'16-mixed')); with precision={precision.precision!r} parameters keep the module's dtype. Remove "
-                "param_dtype or choose a mixed precision."
-            )
+        param_dtype = param_dtype_for(precision.precision, self.param_dtype, TRAINER_WORDS)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
             # Trainer(sync_batchnorm=True): BatchNorm layers become SyncBatchNorm, as DDPStrategy does when fitting.
             self.model = self._layer_sync.apply(self.model)
@@ -234,7 +216,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
             kept = driver.sharded = None  # another module: the kept one stays as it is (its reads say why)
         if kept is None:
             refuse_module_sharded_elsewhere(self.model)
-            self._shard_model(precision)
+            self._shard_model(precision, param_dtype)
         else:  # kept sharded after the previous run (see ``teardown``): used as it is
             driver.init_trace = None
             kept.resume(driver.control)
@@ -250,19 +232,19 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
             self._reset_optimizers_and_schedulers()
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
-                self.sharded_model.bind_optimizer(_unwrap(optimizer))
+                self.sharded_model.bind_optimizer(unwrap_optimizer(optimizer))
             self._inserted_callbacks = bracket_full_parameter_callbacks(self.gathered_parameters, trainer.callbacks)
             if driver.control is not None:  # where a report says this rank is, after the training loop
                 driver.control.context = partial(agreement.after_training, trainer)
             if driver.control is not None and self.collective_checks != "off":
-                self._unwrap_batch_start = agreement.wrap_batch_start(trainer, self._agree_on_next_batch)
+                self._step_agreement.install(trainer, self._agree_on_next_batch)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_optimizer:
             _optimizers_to_device(self.optimizers, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING and self.is_global_zero and log.isEnabledFor(logging.INFO):
             log.info("lightning_zero: model-state memory per rank\n%s", self.memory_report())
 
-    def _shard_model(self, precision: ZeROPrecision) -> ShardedModel:
+    def _shard_model(self, precision: ZeROPrecision, param_dtype: torch.dtype | None) -> ShardedModel:
         def prepare(module: Module) -> Module:
             self.model = precision.convert_module(module)  # a cast of meta layers is replayed too
             self.model_to_device()
@@ -272,7 +254,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         return self.driver.shard(
             self.model,
             device=self.root_device,
-            param_dtype=self.param_dtype or precision.default_param_dtype,
+            param_dtype=param_dtype,
             shard_size=self.resolved_shard_size(),
             prepare=prepare,
         )
@@ -280,10 +262,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if has_meta_tensors(self.model):  # created by configure_model under meta_init: the engine materializes
-            _move_real_tensors(self.model, self.root_device)
-        else:
-            self.model.to(self.root_device)
+        module_to_device(self.model, self.root_device)  # built by configure_model on meta: the engine creates the rest
 
     @contextmanager
     @override
@@ -295,7 +274,7 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._forget_batch_agreement()
+        self._step_agreement.forget(self.driver.sharded)
         # Another rank may not reach the collectives that a full teardown needs: do not wait for it, unless the
         # error is one that every rank raises at the same point (ours, checked everywhere, or rank 0's SIGTERM,
         # announced in the step agreement: see [Note: the start of a training batch]).
@@ -303,13 +282,11 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
 
     @override
     def teardown(self) -> None:
-        self._forget_batch_agreement()
+        self._step_agreement.forget(self.driver.sharded)
         if self._inserted_callbacks and self._lightning_module is not None:
             unbracket(self._lightning_module.trainer.callbacks, self._inserted_callbacks)
         self._inserted_callbacks = []
-        if self._unwrap_batch_start is not None:
-            self._unwrap_batch_start()
-            self._unwrap_batch_start = None
+        self._step_agreement.remove()
         self.driver.teardown(self._describe_end)
         module = self._lightning_module
         kept_sharded = self.driver.sharded is not None
@@ -342,17 +319,13 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
     # ------------------------------------------------------------------ steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        self._settle_batch_agreement()
+        self._step_agreement.settle()
         module = self.lightning_module
         assert module is not None
         step = self._count_step("training")
         self._evaluation = None
-        self._gathered_for_next_step = False
-        accumulating = self.sharded_model.reducer.no_sync_requested
-        agreed = self._agreed_step[1] if self._agreed_step is not None and self._agreed_step[0] == step else None
-        self._agreed_step = None
         sharded = self.sharded_model
-        agreement.begin_training_step(sharded.comm, module.trainer, sharded.params, accumulating, step, agreed)
+        self._step_agreement.begin_training_step(sharded, module.trainer, step)
         sharded.begin_step()
         try:
             return super().training_step(*args, **kwargs)
@@ -361,36 +334,17 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
             if not self.lightning_module.automatic_optimization:
                 self.sharded_model.end_step()
 
-    def _agree_on_next_batch(self, sigterm: bool) -> bool | None:
-        """See [Note: the start of a training batch] in ``strategies/agreement.py``: returns whether any rank
-        received SIGTERM, ``False`` while the answer is still on its way (``batch_to_device`` settles it), or
-        ``None`` if nothing was exchanged."""
-        self._settle_batch_agreement()  # (one a batch that ``on_train_batch_start`` never saw left pending)
+    def _agree_on_next_batch(self, sigterm: bool) -> agreement.BatchStart:
+        """Agree on the next training step where Lightning starts its batch (see [Note: the start of a training
+        batch] in ``strategies/agreement.py``), with this rank's SIGTERM flag."""
         module = self.lightning_module
         assert module is not None
         step = self._steps.get("training", 0) + 1
-        sharded = self.sharded_model
-        describe, pending = agreement.before_training_batch(sharded.comm, module.trainer, sharded.params, step, sigterm)
-        self._agreed_step = (step, describe)
-        if pending.exchanges and (sharded.stage3 is None or self._gathered_for_next_step):
-            self._batch_agreement = pending  # nothing is issued on its answer: it travels during the fetch
-            return False
-        sigterm = agreement.any_sigterm(pending)
-        if sigterm is False:  # every rank starts this training step: see [Note: gathers at the start of a batch]
-            sharded.gather_for_next_step()
-        return sigterm
-
-    def _settle_batch_agreement(self) -> None:
-        """Wait for the batch's step agreement if it is still in flight, and stop every rank together if some rank
-        received SIGTERM."""
-        pending, self._batch_agreement = self._batch_agreement, None
-        if pending is not None and agreement.any_sigterm(pending):
-            assert self.lightning_module is not None
-            agreement.stop_for_sigterm(self.lightning_module.trainer)
+        return self._step_agreement.start_batch(self.sharded_model, module.trainer, step, sigterm)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        self._settle_batch_agreement()  # the fetch is done: see [Note: the start of a training batch]
+        self._step_agreement.settle()  # the fetch is done: see [Note: the start of a training batch]
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
@@ -398,13 +352,6 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         super().on_train_end()
         if self.driver.sharded is not None:  # gathered for a batch that was then skipped (see gather_for_next_step)
             self.driver.sharded.free_unused_units()
-
-    def _forget_batch_agreement(self) -> None:
-        """Drop a batch agreement still in flight when the run stops (an error, teardown): it is not waited for."""
-        if self._batch_agreement is not None:
-            self._batch_agreement = None
-            if self.driver.sharded is not None:
-                self.driver.sharded.comm.forget_step()
 
     def _count_step(self, phase: str) -> int:
         self._steps[phase] = self._steps.get(phase, 0) + 1
@@ -424,10 +371,10 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         sharded = self.sharded_model
         if module.automatic_optimization:
             sharded.end_step()
-        sharded.after_optimizer_step(_unwrap(optimizer))
+        sharded.after_optimizer_step(unwrap_optimizer(optimizer))
         if sharded.stage3 is not None and module.automatic_optimization and _another_step_follows(module.trainer):
             sharded.gather_for_next_step()  # every rank has just stepped: see its docstring
-            self._gathered_for_next_step = True
+            self._step_agreement.gathered_ahead = True
         if self.log_stats:
             trainer = self.lightning_module.trainer
             self._step_stats.log(trainer, self.sharded_model, self.root_device, self.skipped_steps)
@@ -439,223 +386,11 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         with self.sharded_model.no_sync():
             yield
 
-    def gathered_parameters(self, module: Module | None = None, writable: bool = True) -> AbstractContextManager:
-        """A context in which the parameters of ``module`` (default: the whole ``LightningModule``) hold their full
-        values, in the master dtype, as under ``DDPStrategy``; with ``writable`` (default), what user code writes
-        into them is kept. Outside a forward, a stage-3 parameter gathers its unit for each read and refuses
-        writes (see ``docs/troubleshooting.md``): this context gathers once and keeps writes. A collective: call
-        it on every rank. Lightning's weight-averaging callbacks get this automatically; ``module.state_dict()``
-        gathers by itself.
-
-        Example::
-
-            def on_train_epoch_end(self):
-                with self.trainer.strategy.gathered_parameters(self.encoder):
-                    self.log("encoder_norm", torch.cat([p.flatten() for p in self.encoder.parameters()]).norm())
-        """
-        return self.driver.gathered_parameters(module, writable)
-
-    def grad_norm(self, optimizer: Optimizer | None = None, norm_type: float = 2.0) -> Tensor:
-        """The global norm of the current (sharded) gradients; call it on every rank.
-
-        Lightning's ``grad_norm`` utility reads ``param.grad`` of the module, which ZeRO frees; use
-        this instead, e.g. in ``on_before_optimizer_step``::
-
-            self.log("grad_norm", self.trainer.strategy.grad_norm())
-        """
-        optimizers = [_unwrap(optimizer)] if optimizer is not None else [_unwrap(o) for o in self.optimizers]
-        norms = [self.sharded_model.grad_norm(o, norm_type) for o in optimizers]
-        if len(norms) == 1:
-            return norms[0]
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-
-    # ------------------------------------------------------------------ state and checkpoints
-    @property
-    def unwrapped_optimizers(self) -> list[Optimizer]:
-        return [_unwrap(o) for o in self.optimizers]
-
+    # ------------------------------------------------------------------ state
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped for non-finite gradients (``nonfinite_grads="skip"``)."""
         return self.precision_plugin.skipped_steps if isinstance(self.precision_plugin, ZeROPrecision) else 0
-
-    @property
-    def writes_sharded_checkpoints(self) -> bool:
-        """Whether ``save_checkpoint`` writes a sharded directory now: the ``"sharded"`` format, during a run or after
-        it (from the whole module, once its process group exists)."""
-        if self.checkpoint_format != "sharded":
-            return False
-        return self.driver.sharded is not None or (self._lightning_module is not None and dist.is_initialized())
-
-    @property
-    def writes_parallel_checkpoints(self) -> bool:
-        """Whether ``save_checkpoint`` writes one full file from every rank now (sharded model, ``"full"``)."""
-        return self.driver.sharded is not None and self.checkpoint_format == "full"
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        """A 1-D mesh over all ranks, for ``torch.distributed.checkpoint``."""
-        return self.driver.device_mesh(self.root_device)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # checkpoints load straight into the shards, which exist only after setup
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # load_checkpoint restores the optimizers itself
-
-    def memory_report(self) -> MemoryReport:
-        """The memory ``lightning_zero.estimate_memory`` predicts for this model, world size, precision and
-        options, next to the bytes this rank holds now (``print(strategy.memory_report())``). Rank 0 logs it
-        at setup. Call after setup, on any rank (no collective).
-
-        Example::
-
-            class Report(Callback):
-                def on_train_batch_end(self, trainer, *args):
-                    if trainer.global_step == 1:
-                        print(trainer.strategy.memory_report())
-        """
-        assert self.lightning_module is not None
-        precision = self.precision_plugin
-        return memory_report(
-            self.lightning_module,
-            self.sharded_model,
-            self.config,
-            precision.precision,
-            precision.is_mixed,
-            self.unwrapped_optimizers,
-            self.num_processes,
-            self.num_nodes,
-            self.global_rank,
-        )
-
-    def full_state_dict(self) -> dict[str, Any]:
-        """The full, unsharded state dict (as ``DDPStrategy`` returns it); a collective: call on all ranks."""
-        if self.driver.sharded is None:
-            return super().lightning_module_state_dict()
-        return self.driver.sharded.full_state_dict()
-
-    def save_pretrained(self, module: Module, path: str | Path, merged: bool = False) -> None:
-        """Write ``module`` (the transformers model the ``LightningModule`` holds, or any part of it) to the folder
-        ``path`` as a Hugging Face checkpoint that plain ``from_pretrained`` loads: sharded safetensors with their
-        index and the model's ``config.json``, each rank writing the tensors dealt to it, never the whole model on
-        one rank (see [Note: writing a Hugging Face checkpoint] in ``engine/checkpoint/hf_export.py``). The files
-        replace the weights the folder held, if any: a crash or a failure leaves it read as before or as the new
-        checkpoint, and files that are not weights (a README, a tokenizer) are kept (see [Note: save_pretrained
-        into a folder]). A collective: call it on every rank. When the module is not sharded (after ``fit``),
-        rank 0's ``module.save_pretrained`` writes the files, put in place the same way.
-
-        A peft ``PeftModel`` is saved as peft saves it: its adapter (``adapter_model.safetensors``,
-        ``adapter_config.json``), which ``PeftModel.from_pretrained(base, path)`` loads, or with ``merged=True``
-        (LoRA) the model with the adapter merged in, which plain ``from_pretrained`` loads (see [Note: saving a
-        peft model] in ``engine/checkpoint/peft_export.py``).
-
-        Example::
-
-            def on_train_end(self):
-                self.trainer.strategy.save_pretrained(self.model, "finetuned")
-        """
-        assert self.model is not None
-        self.driver.save_pretrained(self.model, module, path, merged)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """While sharded, this rank's pieces of the parameters, as the checkpoint writer takes them (DTensors
-        with ``"sharded"``, ``FlatPiece``s with ``"full"``); the full state dict otherwise. For full tensors
-        while sharded, call ``full_state_dict()``."""
-        sharded = self.driver.sharded
-        if sharded is None:
-            return self.full_state_dict()
-        if self.writes_sharded_checkpoints:
-            return sharded_model_state(sharded, self.device_mesh)
-        return piece_state_dict(sharded)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.driver.sharded is None:
-            super().load_model_state_dict(checkpoint, strict=strict)
-        # Otherwise load_checkpoint has already put the weights into the shards.
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """This rank's pieces of the optimizer state, as the checkpoint writer takes them: DTensors
-        (``"sharded"``), or the per-parameter state ``DDPStrategy`` saves with ``FlatPiece``s (``"full"``)."""
-        sharded = self.driver.sharded
-        if sharded is None:
-            return super().optimizer_state(optimizer)
-        raw = _unwrap(optimizer)
-        index = self.unwrapped_optimizers.index(raw)
-        if self.checkpoint_format == "sharded":
-            return sharded_optimizer_state(sharded, raw, index, self.device_mesh)
-        return piece_optimizer_state(sharded, raw, index)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.driver.sharded is None:
-            super().load_optimizer_state_dict(checkpoint)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Write a sharded checkpoint directory or a full ``.ckpt`` file, atomically; call on all ranks."""
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__}.save_checkpoint does not take storage_options")
-        driver = self.driver
-        if driver.sharded is not None:
-            driver.sharded.comm.agree_event("save_checkpoint", lambda: f"save_checkpoint({str(filepath)!r})")
-        path = Path(self.broadcast(str(filepath)))
-        # Decided from the strategy, the same on every rank: a rank whose shards happen to be empty (tiny
-        # parameters, many ranks) must still join the collective save.
-        if self.writes_sharded_checkpoints:
-            shards = {k: checkpoint[k] for k in _SHARDED_KEYS if k in checkpoint}
-            meta = {k: v for k, v in checkpoint.items() if k not in _SHARDED_KEYS}
-            optimizers = self.unwrapped_optimizers[: len(checkpoint.get("optimizer_states", []))]
-            whole = self.lightning_module if driver.sharded is None else None  # a run has ended: whole again
-            driver.save_sharded(shards, meta, optimizers, path, whole_module=whole)
-        else:
-            driver.save_full(checkpoint, path)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.driver.finish_saves()  # it may be the checkpoint being written
-        path = Path(self.broadcast(str(checkpoint_path)))
-        driver = self.driver
-        if driver.sharded is None:
-            return checkpointing.read_meta(find_checkpoint(path), weights_only)
-        module = self.lightning_module
-        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
-        strict = True if module is None else module.strict_loading
-        return checkpointing.load(
-            driver.sharded,
-            driver.ranks(),
-            self.device_mesh,
-            path,
-            weights_only,
-            self.unwrapped_optimizers,
-            with_optimizers=fitting,
-            strict=strict,
-        )
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        self.driver.finish_saves(Path(filepath))  # a save of that path in the background: done first, every rank
-        if self.is_global_zero:
-            remove_checkpoint(Path(filepath))
-
-    def finish_saves(self) -> None:
-        """Wait for the checkpoint being written in the background (``async_save=True`` or ``AsyncCheckpointIO``) and
-        raise what its save raised; nothing to do without one. Call on every rank. The next save, loading a
-        checkpoint and the end of the run wait by themselves.
-
-        Example::
-
-            trainer.save_checkpoint("model.ckpt")
-            trainer.strategy.finish_saves()  # model.ckpt is complete from here on
-        """
-        self.driver.finish_saves()
 
     # ------------------------------------------------------------------ collectives for Lightning
     @override
@@ -677,27 +412,9 @@ class ZeROStrategy(ZeROOptions, EvaluationSteps, ProcessTopology, ParallelStrate
         return tensor
 
 
-_SHARDED_KEYS = ("state_dict", "optimizer_states")
-
-
-def _move_real_tensors(module: Module, device: torch.device) -> None:
-    """``module.to(device)`` for every parameter and buffer that is not on the ``meta`` device."""
-    for mod in module.modules():
-        for param in mod._parameters.values():
-            if param is not None and not param.is_meta and param.device != device:
-                param.data = param.data.to(device)
-        for name, buf in mod._buffers.items():
-            if buf is not None and not buf.is_meta and buf.device != device:
-                mod._buffers[name] = buf.to(device)
-
-
 def _another_step_follows(trainer: pl.Trainer) -> bool:
     """Whether the fit loop has optimizer steps left after this one, as every rank alike knows it (``max_steps``
     and the step count; not the epoch's batches, which a rank with less data counts differently). After the last
     one, the next step's first gathers would stay gathered through the end-of-training hooks for a step that does
     not come (see [Note: gathers at the start of a batch])."""
     return trainer.max_steps == -1 or trainer.global_step + 1 < trainer.max_steps
-
-
-def _unwrap(optimizer: Optimizer | LightningOptimizer) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

@@ -10,8 +10,8 @@ from torch.optim import Optimizer
 
 from lightning_zero.driver.config import ZeROConfig
 from lightning_zero.engine.sharded_model import ShardedModel
-from lightning_zero.estimate import MemoryEstimate, StrategyEstimate, estimate_memory
-from lightning_zero.estimate_report import format_bytes
+from lightning_zero.planning.estimate import estimate_memory
+from lightning_zero.planning.estimate_report import MemoryEstimate, StrategyEstimate, format_bytes
 
 # Optimizer state entries per parameter element (each in the master dtype), for the usual classes.
 _STATES_PER_ELEMENT = {
@@ -90,7 +90,7 @@ def memory_report(
         nodes=1 if hybrid else num_nodes,
         precision=precision,
         offload_optimizer=config.offload_optimizer,
-        offload_params=sharded.offload_params,
+        offload_params=sharded.policy.offload.params,
         optimizer_state_bytes=_optimizer_state_bytes(optimizers, unit.master_dtype),
         reduce_dtype_bytes=unit.reduce_dtype.itemsize,
         param_dtype_bytes=unit.dtype.itemsize if mixed else None,

@@ -27,35 +27,45 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities.spike import SpikeDetection
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_zero.driver.config import PRECISIONS, NonFinitePolicy
+from lightning_zero.driver.precision import (
+    DoorWords,
+    PrecisionDtypes,
+    arm_finite_check,
+    checks_finite,
+    connect_scaler,
+    nonfinite_grads_at,
+    refuse_plugin,
+    sharded_scaler,
+    skip_nonfinite_step,
+)
 from lightning_zero.engine.comm.device_wait import read_on_host
 from lightning_zero.engine.core.scaler import ShardedGradScaler
 from lightning_zero.engine.errors import NonFiniteGradientError
 from lightning_zero.engine.sharded_model import ShardedModel
 
 PrecisionName = Literal["32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
-_HALF = {"bf16": torch.bfloat16, "16": torch.float16}
+TRAINER_WORDS = DoorWords("Trainer", clip="gradient_clip_val")
 __all__ = ["NonFiniteGradientError", "ShardedGradScaler", "ZeROPrecision"]
 
 
 class ZeROPrecision(Precision):
-    """Lightning's precisions for the ZeRO strategies (see the module docstring).
+    """Lightning's precisions for the ZeRO strategies (see the module docstring; what each precision means is
+    ``driver/precision.py``'s ``PrecisionDtypes``, shared with Fabric's door).
 
     Args:
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"`` or ``"16-true"``.
@@ -84,9 +94,7 @@ class ZeROPrecision(Precision):
             raise ValueError(f"precision={precision!r} does not use a loss scaler; pass scaler only with '16-mixed'")
         self.precision = precision
         self.device = device
-        if precision == "16-mixed":
-            scaler = ShardedGradScaler.like(scaler, device) if scaler is not None else ShardedGradScaler(device)
-        self.scaler: ShardedGradScaler | None = scaler
+        self.scaler: ShardedGradScaler | None = sharded_scaler(scaler, device) if precision == "16-mixed" else None
         self.sharded_model: ShardedModel | None = None
         self.nonfinite_grads: NonFinitePolicy = "raise"
         self.skipped_steps = 0
@@ -103,37 +111,34 @@ class ZeROPrecision(Precision):
             return cls(plugin.precision, device=plugin.device, scaler=plugin.scaler)
         if type(plugin) is HalfPrecision:
             return cls(plugin.precision)
-        raise ValueError(
-            f"the ZeRO strategies support precision in {PRECISIONS}; got the plugin {type(plugin).__name__} "
-            f"(precision={getattr(plugin, 'precision', '?')!r}). Pass one of those to Trainer(precision=...)."
-        )
+        refuse_plugin(plugin, TRAINER_WORDS)
 
     # ------------------------------------------------------------------ dtypes
     @property
+    def dtypes(self) -> PrecisionDtypes:
+        return PrecisionDtypes(self.precision, self.device)
+
+    @property
     def is_mixed(self) -> bool:
-        return self.precision.endswith("-mixed")
+        return self.dtypes.is_mixed
 
     @property
     def half_dtype(self) -> torch.dtype | None:
         """The low-precision dtype (``None`` for ``"32-true"``)."""
-        return _HALF.get(self.precision.split("-")[0])
+        return self.dtypes.half_dtype
 
     @property
     def default_param_dtype(self) -> torch.dtype | None:
         """The compute dtype the engine gives parameters when the strategy sets none (mixed: the half type)."""
-        return self.half_dtype if self.is_mixed else None
+        return self.dtypes.default_param_dtype
 
     @override
     def convert_module(self, module: Module) -> Module:
-        if self.precision.endswith("-true") and self.half_dtype is not None:
-            return module.to(dtype=self.half_dtype)
-        return module
+        return self.dtypes.convert_module(module)
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:
-        if self.precision.endswith("-true") and self.half_dtype is not None:
-            return _DtypeContextManager(self.half_dtype)
-        return nullcontext()
+        return self.dtypes.module_init_context()
 
     @override
     def module_init_context(self) -> AbstractContextManager:
@@ -142,18 +147,12 @@ class ZeROPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        if self.is_mixed:
-            with torch.autocast(self.device, dtype=self.half_dtype, cache_enabled=False):
-                yield
-        else:
-            with self.tensor_init_context():
-                yield
+        with self.dtypes.forward_context():
+            yield
 
     @override
     def convert_input(self, data: Any) -> Any:
-        if self.precision.endswith("-true") and self.half_dtype is not None:
-            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.half_dtype)
-        return data
+        return self.dtypes.convert_input(data)
 
     # ------------------------------------------------------------------ loss scaling
     @override
@@ -213,12 +212,9 @@ class ZeROPrecision(Precision):
         """Connect to (or, with ``None``, detach from) the engine whose gradients this plugin checks."""
         self.sharded_model = sharded_model
         if sharded_model is not None:
-            # The check of every step reads what the backward pass's reductions found (see
-            # ``GradReducer.check_finite``): no collective of its own.
-            sharded_model.reducer.check_finite = self.nonfinite_grads != "ignore" and self.scaler is None
+            arm_finite_check(sharded_model, self.nonfinite_grads, self.scaler is not None)
         if self.scaler is not None:
-            self.scaler.all_reduce = None if sharded_model is None else sharded_model.comm.all_reduce
-            self.scaler.comm_device = None if sharded_model is None else sharded_model.units[0].device
+            connect_scaler(self.scaler, sharded_model)
 
     def _engine(self) -> ShardedModel:
         if self.sharded_model is None:
@@ -229,28 +225,20 @@ class ZeROPrecision(Precision):
     def _after_closure(self, model: pl.LightningModule, optimizer: Any) -> None:
         if self.sharded_model is not None:  # before the hooks that look at gradients (see ``settle_grads``)
             self.sharded_model.settle_grads()
-        if self.nonfinite_grads != "ignore" and self.scaler is None:  # with a scaler, the scaler decides
+        if checks_finite(self.nonfinite_grads, self.scaler is not None):  # with a scaler, the scaler decides
             self._check_finite(model, optimizer)
         super()._after_closure(model, optimizer)
 
     def _check_finite(self, model: pl.LightningModule, optimizer: Optimizer) -> None:
-        ranks, local = self._engine().nonfinite_grads(optimizer)
-        if not ranks:
+        sharded = self._engine()
+        where = nonfinite_grads_at(sharded, optimizer)
+        if where is None:
             return
+        policy = self.nonfinite_grads
+        deferred_to = "SpikeDetection" if policy == "raise" and _has_spike_detection(model.trainer) else None
         step = model.trainer.global_step
-        where = f"rank(s) {ranks}" + (f" (here: {', '.join(local[:5])})" if local else "")
-        if self.nonfinite_grads == "raise" and not _has_spike_detection(model.trainer):
-            raise NonFiniteGradientError(
-                f"non-finite gradients (inf or NaN) at step {step} on {where}; the step was not applied. "
-                "Lower the learning rate, clip gradients (gradient_clip_val), check the data, or pass "
-                "nonfinite_grads='skip' to skip such steps on all ranks."
-            )
-        self._engine().drop_grads(optimizer)
+        skip_nonfinite_step(sharded, optimizer, where, policy, self.skipped_steps, TRAINER_WORDS, step, deferred_to)
         self.skipped_steps += 1
-        handed_on = " (the loss goes on to SpikeDetection)" if self.nonfinite_grads == "raise" else ""
-        rank_zero_warn(
-            f"skipped optimizer step {step}: non-finite gradients on {where} ({self.skipped_steps} so far){handed_on}"
-        )
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:

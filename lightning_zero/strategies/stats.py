@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lightning_zero.engine.comm.comm import CommStats
+from lightning_zero.engine.comm.stats import CommStats
 from lightning_zero.engine.sharded_model import ShardedModel
 
 

@@ -78,10 +78,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-from lightning_zero.engine.checkpoint.saving import Ranks
 from lightning_zero.engine.core.pinned import CUDA_HOST, HostRegistration, pinned_empty
 from lightning_zero.engine.core.streams import Streams, cuda_streams
 from lightning_zero.engine.errors import CheckpointSaveError
+from lightning_zero.engine.io.ranks import Ranks
 from lightning_zero.engine.io.torch_file import FlatPiece
 
 

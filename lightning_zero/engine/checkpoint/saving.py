@@ -37,13 +37,10 @@ import errno
 import itertools
 import math
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_zero.engine.checkpoint.sharded import (
@@ -71,29 +68,10 @@ from lightning_zero.engine.io.files import (
     remove_leftovers,
     temporary_path,
 )
+from lightning_zero.engine.io.ranks import Ranks, gather_from_every_rank
 from lightning_zero.engine.io.torch_file import FlatPiece, Skeleton, pieces_in, write_pieces, write_skeleton
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """The ranks that take part in a save or a load: this one, how many, and a broadcast of a picklable object from
-    rank 0 (every rank calls it; rank 0's value comes back).
-
-    Example::
-
-        ranks = Ranks(dist.get_rank(), dist.get_world_size(), lambda obj: broadcast_object(obj))
-    """
-
-    rank: int
-    world_size: int
-    broadcast: Callable[[Any], Any]
-    group: Any = None  # the process group of the save's other collectives (None: the default group)
-
-    @property
-    def is_zero(self) -> bool:
-        return self.rank == 0
 
 
 Report = dict[int, tuple[str, bool]]  # failing rank -> (what went wrong, whether it is a full disk)
@@ -107,15 +85,6 @@ def _describe(error: BaseException | None, rank: int) -> Report:
         return {r: _describe(failure, r)[r] for r, (failure, _) in error.failures.items()}
     no_space = isinstance(error, OSError) and error.errno in _NO_SPACE
     return {rank: (f"{type(error).__name__}: {error}", no_space)}
-
-
-def gather_from_every_rank(ranks: Ranks, value: Any) -> list[Any]:
-    """Every rank's ``value``, on every rank."""
-    if not dist.is_available() or not dist.is_initialized() or ranks.world_size == 1:
-        return [value]
-    values: list[Any] = [None] * ranks.world_size
-    dist.all_gather_object(values, value, group=ranks.group)
-    return values
 
 
 def _raise_if_failed(path: Path, reports: list[Report], needed: int) -> None:

@@ -74,21 +74,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from lightning_zero.engine.comm.control import CollectiveMismatchError, ControlChannel, PeerFailureError
+from lightning_zero.engine.comm.control import ControlChannel
 from lightning_zero.engine.comm.labels import label
 from lightning_zero.engine.comm.sequence import CollectiveChecks, CollectiveSequence
-from lightning_zero.engine.comm.stats import CollectiveStats, CommStats
-
-# Re-exported: what other modules imported from here before sequences and counters had modules of their own.
-__all__ = [
-    "CollectiveChecks",
-    "CollectiveMismatchError",
-    "CollectiveStats",
-    "Comm",
-    "CommStats",
-    "PeerFailureError",
-    "Pending",
-]
+from lightning_zero.engine.comm.stats import CommStats
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # Below this many elements a gloo all-gather or reduce-scatter is one all-to-all: one collective's latency instead

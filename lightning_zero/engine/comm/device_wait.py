@@ -6,7 +6,7 @@ On NCCL a wait for a collective orders streams and returns (see [Note: streams] 
 only where it reads a device value (``.tolist()``, ``.item()``, ``bool()``) or synchronises on an event, and there
 it blocks inside the CUDA driver, behind every kernel queued before, collectives among them. If a peer never issues
 one of those collectives (it left the recorded track, or died), that read never returns and nothing reports it:
-the stall monitor of ``control.py`` only sees a main thread blocked in ``torch.distributed``, and the job would end
+the stall monitor of ``stall.py`` only sees a main thread blocked in ``torch.distributed``, and the job would end
 at the process group's timeout (30 minutes) with NCCL's watchdog abort. So the engine never blocks there. Where
 it must wait for the device, it records a CUDA event and polls ``event.query()``, sleeping briefly between polls
 (``ControlChannel.wait_for_device``); once ``poll_seconds`` have passed it publishes "waiting for the device after

@@ -16,7 +16,7 @@ unit, and which hook around it. The engine opens a ``record_function`` range at 
   gradients packed and reduce-scattered);
 - the schedule (stage 3's hooks and the end of backward): ``ZeRO::pre_forward``, ``ZeRO::post_forward``,
   ``ZeRO::pre_backward`` (with the unit's name), ``ZeRO::finish_backward``, ``ZeRO::settle_grads`` (the backward
-  passes' flags read before the optimizer step: see [Note: flags read at the step] in ``schedule/grads.py``).
+  passes' flags read before the optimizer step: see [Note: flags read at the step] in ``schedule/grad_flags.py``).
 
 A ``record_function`` costs a few microseconds even when no profiler records (it enters the dispatcher), and a
 step opens about a dozen per unit. So ``label`` opens one only while a profiler is active, which

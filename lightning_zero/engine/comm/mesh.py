@@ -32,7 +32,7 @@ Which group each collective runs on (every site in the engine and the strategies
   first rank, then in the replicate group from the first shard group: rank 0's values everywhere).
 
 Checkpoints: the pieces a rank holds are named by their offset in the full tensor, not by rank (see
-[Note: checkpoint layout] in ``checkpoint.py``), so a checkpoint written with any ``shard_size`` at
+[Note: checkpoint layout] in ``checkpoint/pieces.py``), so a checkpoint written with any ``shard_size`` at
 any world size loads under any other: each rank asks for the pieces of its own shard layout. Only
 the first shard group (replicate rank 0) writes pieces, so each is written once; DCP's 1-D mesh
 over the world (``strategy.device_mesh``) is unchanged.

@@ -16,7 +16,7 @@ sequence the previous step of the same ``key`` ran:
 The sequence a step ran then becomes the reference for the next. Every rank holds the same
 reference: a step ends without error only if, at every position, either every rank was on
 track (so did the same thing) or every rank agreed it. A rank that leaves the track while
-another does not is caught by the stall report ([Note: stall reports] in ``control.py``): one
+another does not is caught by the stall report ([Note: stall reports] in ``stall.py``): one
 rank waits in an agreement, the other in a collective the first will not issue. Outside steps (setup, a
 callback reading ``state_dict()``, a checkpoint) the collectives whose order depends on
 control flow (stage-3 gathers, ``guard=True``) are agreed one by one. So, on the
@@ -34,39 +34,30 @@ agrees nothing (the stall report still turns a deadlock into an error).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Literal
 
 import torch.distributed as dist
 
-from lightning_zero.engine.comm.advice import NO_GRAD_FORWARD, SERVES_FORWARD
 from lightning_zero.engine.comm.advice import explain_texts as _explain
-from lightning_zero.engine.comm.control import (
-    CollectiveMismatchError,
-    ControlChannel,
-    PeerFailureError,
-    PendingAgreement,
-    code_of,
-)
+from lightning_zero.engine.comm.control import ControlChannel, PendingAgreement, code_of
+from lightning_zero.engine.comm.forward_joins import FORWARD_ROW, ForwardJoins, joinable
 from lightning_zero.engine.comm.labels import label
 from lightning_zero.engine.comm.stats import CommStats
+from lightning_zero.engine.errors import CollectiveMismatchError, PeerFailureError
 
 CollectiveChecks = Literal["auto", "all", "off"]
 _KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
-# The first number of an agreement row (see control.py); _FORWARD_ROW: a joined no-grad forward starts (see
-# [Note: joined forwards] in engine/schedule/joined.py).
-_OP_ROW, _STEP_ROW, _EVENT_ROW, _FORWARD_ROW = 1, 2, 3, 4
-# The third number of a _FORWARD_ROW that begins a no-grad step of the Fabric door (``begin_no_grad_step``): one that
-# ranks elsewhere may serve, and one that begins with a broadcast of rank 0's buffers, which they cannot.
-_STEP_START, _STEP_START_BROADCASTS = 1, 2
+# The first number of an agreement row (see control.py); 4, FORWARD_ROW: a joined no-grad forward starts (see
+# [Note: joined forwards] in engine/schedule/joined.py, and ``forward_joins.py``).
+_OP_ROW, _STEP_ROW, _EVENT_ROW = 1, 2, 3
 
 
-class CollectiveSequence:
+class CollectiveSequence(ForwardJoins):
     """The checks of [Note: collective checks]: which step each rank runs, which collectives it has issued in it,
     the reference each is compared with, and the agreements that settle the rest. ``Comm`` is one (its
     collectives call ``_before`` ahead of each issue and ``_wait`` for each wait); a ``Comm.subgroup`` is checked
-    in its parent's sequence.
+    in its parent's sequence. Joined no-grad forwards are checked in sequences of their own (``ForwardJoins``).
 
     Example::
 
@@ -85,6 +76,7 @@ class CollectiveSequence:
     ) -> None:
         if checks not in ("auto", "all", "off"):
             raise ValueError(f"checks must be 'auto', 'all' or 'off', got {checks!r}")
+        super().__init__()
         self.checks = checks
         self.control = control
         self.stage = stage  # the ZeRO stage these collectives serve, if known: only the advice in errors depends on it
@@ -101,20 +93,6 @@ class CollectiveSequence:
         self._outstanding = 0  # collectives issued and not yet waited for
         self._pending_step: PendingStep | None = None  # see ``agree_step_later``
         self.broken = False  # a check failed while collectives were in flight: this group can no longer be used
-        # Joined no-grad forwards (see [Note: joined forwards] in engine/schedule/joined.py): ``forward_server``
-        # issues this rank's part of the gathers of one that other ranks run, or of the first forward of a no-grad
-        # step they begin (``(code, step)``; ``None`` once served, or why it cannot be: stage 3 sets it); ``_passed``: a
-        # no-grad forward began since this rank last met the others outside one; ``_in_forward``: the collectives
-        # being issued are a no-grad forward's own; ``_outer``: the step's sequence while a joined forward's is open.
-        self.forward_server: Callable[[int, bool], str | None] | None = None
-        self._passed = False
-        self._in_forward = 0
-        self._outer: tuple[str | None, str, list[tuple[int, int, int]], bool] | None = None
-        self._forwards = 0  # joined forwards agreed in this step (their numbers in messages)
-        # A no-grad step that other ranks serve (see ``begin_no_grad_step``): the unit its first forward announced it
-        # starts at ("" for none), until that forward starts.
-        self._announced: str | None = None
-        self._elsewhere = False  # in the last agreement, some ranks were at another one (see ``_agree``)
 
     def begin_sequence(self, key: str, row: list[int] | None, describe: Callable[[], str]) -> None:
         """A step starts on every rank (see [Note: collective checks]): agree on ``row`` (at most six
@@ -188,7 +166,7 @@ class CollectiveSequence:
                     self._advice,
                     shared,
                     advice=self._advice,
-                    accept=_joinable,
+                    accept=joinable,
                 )
 
             pending = reissue()
@@ -245,7 +223,7 @@ class CollectiveSequence:
             try:
                 with label("ZeRO::agree"):
                     pending = self.control.agree_later(
-                        row, describe, explain, shared, advice=self._advice, accept=_joinable
+                        row, describe, explain, shared, advice=self._advice, accept=joinable
                     )
                     shared_values = pending.result()
             except (CollectiveMismatchError, PeerFailureError):
@@ -256,156 +234,9 @@ class CollectiveSequence:
             if not self._serve_joined(pending.joined, row[0]):
                 break
         self._elsewhere = pending.joined is not None  # (for a forward's row: the ranks that serve it)
-        if row[0] != _FORWARD_ROW and not self._in_forward:
+        if row[0] != FORWARD_ROW and not self._in_forward:
             self._passed = False  # every rank is here: none runs a no-grad forward of this rank's last ones any more
         return shared_values
-
-    # ------------------------------------------------------------------ joined no-grad forwards
-    def begin_no_grad_step(self, key: str, first: str, broadcasts: bool, describe: Callable[[], str]) -> bool:
-        """A no-grad step of the Fabric door begins on this rank (forwards under ``no_grad`` outside a training step:
-        see [Note: Fabric steps] in ``fabric/wrapper.py``), agreed with a row that the ranks elsewhere serve from
-        where they are, as a joined forward's (see [Note: joined forwards] in ``engine/schedule/joined.py``).
-        ``first``: the unit at which this rank's last such step began its first forward (``""`` if none), the
-        forward the ranks that serve it gather for; ``broadcasts``: the step begins with a broadcast of rank 0's
-        buffers, which no rank elsewhere can join (such a row is a mismatch). Ends the current sequence.
-
-        Returns ``False`` when every rank begins it: its collectives are checked in the sequence of ``key``'s
-        steps, and its first forward rides on this agreement, as a Trainer step's does. ``True`` when other ranks
-        serve it: its collectives up to the end of its first forward (which must start at ``first``) are checked
-        in a sequence of their own, the ranks that serve it issue theirs there, that forward is agreed already
-        (``begin_no_grad_forward``), and the caller issues the step's first collectives (the root unit's gather)
-        inside ``forward_collectives()``."""
-        self.end_sequence()
-        self.settle_step()
-        if self.control is None or self.checks == "off":
-            return False
-        code = code_of(first) if first else 0
-        self._agree(
-            [_FORWARD_ROW, code, _STEP_START_BROADCASTS if broadcasts else _STEP_START],
-            lambda: f"start {describe()}",
-            self._advice,
-        )
-        if not self._elsewhere:
-            self._passed = False  # every rank is here: the first forward rides on this agreement
-            self.begin_sequence(key, None, describe)
-            return False
-        self._forwards = 0
-        self._step_text = describe()  # (what the later forwards of the step say they are part of)
-        self._open_forward(code, self._step_text, step=True)
-        self._announced = first
-        self._passed = True
-        return True
-
-    @property
-    def step_served(self) -> bool:
-        """A no-grad step that other ranks serve has begun here, and its first forward has not started yet."""
-        return self._announced is not None
-
-    def begin_no_grad_forward(self, key: str) -> bool:
-        """A no-grad forward starts on this rank, its first unit ``key`` (stage 3, inside a step: see [Note: joined
-        forwards] in ``engine/schedule/joined.py``). The first since this rank last met the others outside one
-        rides on that meeting: nothing is agreed and its collectives stay in the step's sequence; returns
-        ``False``. A later one is agreed (every rank runs it, or serves it from the agreement it is in) and checked
-        in a sequence of its own, keyed by ``key``; returns ``True``."""
-        if self._announced is not None:  # the first forward of a no-grad step that others serve: agreed already
-            announced, self._announced = self._announced, None
-            if key != announced:
-                expected = (
-                    f"to start at {announced!r}, where its last no-grad step's did"
-                    if announced
-                    else "to gather no unit, since it had run no no-grad step before (run one on every rank first)"
-                )
-                self._refuse(
-                    f"rank {self._rank} began a no-grad step while other ranks were elsewhere, and they serve it: "
-                    f"they expected its first {NO_GRAD_FORWARD} {expected}, and it starts at {key!r}"
-                )
-            self._passed = True
-            return True
-        self.close_forward()
-        follows, self._passed = self._passed, True
-        if not follows or self.control is None or self.checks == "off":
-            return follows
-        self._forwards += 1
-        step = self._step_text or "no step (outside a step)"
-        text = f"{NO_GRAD_FORWARD} {self._forwards + 1} (from {key!r}) of {step}"
-        code = code_of(key)
-        self._agree([_FORWARD_ROW, code], lambda: f"start {text}", self._advice)
-        self._open_forward(code, text)
-        return True
-
-    @contextmanager
-    def forward_collectives(self) -> Iterator[None]:
-        """The collectives issued inside are a no-grad forward's own (its units' gathers): they neither end it
-        nor meet the ranks still running others (see ``_before``)."""
-        self._in_forward += 1
-        try:
-            yield
-        finally:
-            self._in_forward -= 1
-
-    def _open_forward(self, code: int, text: str, step: bool = False) -> None:
-        """Check the collectives from here on in the sequence of the joined forwards of ``code`` (the previous one
-        is the reference), or with ``step`` of the no-grad steps whose first forward is ``code``'s that other ranks
-        served (see ``begin_no_grad_step``), until ``close_forward``."""
-        if self.control is None or self.checks == "off":
-            return
-        self._outer = (self._key, self._step_text, self._sequence, self._on_track)
-        key = f"no-grad {'step' if step else 'forward'} {code}"
-        self._key, self._step_text, self._sequence = key, text, []
-        self._on_track = self.checks == "auto" and key in self._references
-
-    def close_forward(self) -> None:
-        """End the joined forward whose sequence is open, if any: back to the step's sequence."""
-        self._announced = None
-        if self._outer is None:
-            return
-        if self._key is not None:
-            self._references[self._key] = self._sequence
-        self._key, self._step_text, self._sequence, self._on_track = self._outer
-        self._outer = None
-
-    def _serve_joined(self, rows: list[list[int]] | None, mine: int) -> bool:
-        """After an agreement: if it found other ranks starting a joined forward while this rank (``mine``: the
-        first number of its row) is elsewhere, issue this rank's part of that forward's gathers (or of the beginning
-        of the no-grad step they begin: ``begin_no_grad_step``) and return ``True`` (the caller agrees again);
-        otherwise ``False``. See [Note: joined forwards]."""
-        if rows is None or mine == _FORWARD_ROW:
-            return False
-        runner = next(row for row in rows if row[0] == _FORWARD_ROW)
-        code, step = runner[1], runner[2] != 0  # (a no-grad step that begins: see ``begin_no_grad_step``)
-        runners = ", ".join(str(rank) for rank, row in enumerate(rows) if row[0] == _FORWARD_ROW)
-        what = f"first {NO_GRAD_FORWARD} of the no-grad step" if step else NO_GRAD_FORWARD
-        text = f"{what} that rank(s) {runners} run (this rank {SERVES_FORWARD})"
-        if self._in_forward:  # this rank is inside a forward of its own, which the others' does not match
-            self._cannot_serve(runners, "it is in a forward of its own that the others do not run", what)
-        self._open_forward(code, text, step)
-        try:
-            with self.forward_collectives():
-                why = self.forward_server(code, step) if self.forward_server is not None else NEVER_RAN
-        finally:
-            self.close_forward()
-        if why is not None:
-            self._cannot_serve(runners, why, what)
-        return True
-
-    def _cannot_serve(self, runners: str, why: str, what: str = NO_GRAD_FORWARD) -> None:
-        """Raise, here and (through the store) on the ranks ``runners`` waiting in the forward's gathers, that this
-        rank cannot serve their joined forward."""
-        self._refuse(f"rank {self._rank} cannot serve the gathers of the {what} that rank(s) {runners} run: {why}")
-
-    @property
-    def _rank(self) -> int:
-        return self.control.rank if self.control is not None else 0
-
-    def _refuse(self, said: str) -> None:
-        """Raise ``said`` (with advice) here and, through the store, on the ranks waiting in a joined forward's
-        gathers with this one; the group is broken from here on."""
-        said += "."
-        error = CollectiveMismatchError(f"{said}\n{self._advice([said])}")
-        if self.control is not None:
-            self.control.report_failure(error)
-        self.broken = True
-        raise error
 
     def _advice(self, texts: list[str]) -> str:
         """What to change, from what the ranks were doing (for this Comm's stage)."""
@@ -464,7 +295,7 @@ class CollectiveSequence:
 
     def _wait(self, work: dist.Work, index: int, describe: Callable[[], str]) -> None:
         """Wait for ``work``, collective ``index`` of this rank's main group, through the stall report where the
-        host blocks in a wait (see [Note: stall reports] in ``control.py``)."""
+        host blocks in a wait (see [Note: stall reports] in ``stall.py``)."""
         try:
             if self.control is not None and self._waits_block_host:
                 self.control.wait(work, "main", index, describe, self._advice)
@@ -537,25 +368,6 @@ class PendingStep:
                 return shared
             self._issue_seconds = 0.0
             self._pending = self._reissue()
-
-
-def _joinable(rows: list[list[int]]) -> bool:
-    """Rows that are no mismatch although they differ: some ranks start a joined no-grad forward (all the same one)
-    while the others are all at one other agreement, from which they serve it (see [Note: joined forwards] in
-    ``engine/schedule/joined.py``)."""
-    forwards = [row for row in rows if row[0] == _FORWARD_ROW]
-    others = [row for row in rows if row[0] != _FORWARD_ROW]
-    return (
-        bool(forwards)
-        and bool(others)
-        and all(row == forwards[0] for row in forwards)
-        and all(row == others[0] for row in others)
-        and forwards[0][2] != _STEP_START_BROADCASTS  # a broadcast of buffers: DDP's would hang there too
-    )
-
-
-# Why a rank that has never run a forward starting at a unit cannot serve one (see ``_serve_joined``).
-NEVER_RAN = "it never ran a forward starting at that unit, so it cannot know its gathers"
 
 
 _BROKEN = (

@@ -40,7 +40,7 @@ at once, trusting that stream's order: a block used by another stream must not b
   after the host saw the event is free of any use); the pinned host buffers are host memory, outside the caching
   allocator: each is held until the host waited for the copy into it.
 
-On a CPU there is no stream: ``cuda_streams`` gives ``None`` and every copy is a plain synchronous one, as before.
+On a CPU there is no stream: ``cuda_streams`` gives ``None`` and every copy is a plain synchronous one.
 Tests inject a recording fake (``tests/test_streams.py``) to check on which stream each copy is queued. Nothing here
 has run on a GPU yet: the orders are read from CUDA's stream semantics and the caching allocator's documentation.
 """

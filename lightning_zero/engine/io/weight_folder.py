@@ -12,14 +12,14 @@ layouts that the new save does not write (``LOADED_NAMES``, ``SHARD_NAME``), so 
 a variant such as ``model.fp16.safetensors`` (read only when asked for by name), shards of other names.
 
 The new files are written first where no loader looks (a hidden staging folder inside the target: see [Note:
-save_pretrained into a folder] in ``engine/checkpoint/hf_export.py``); ``replacement_steps`` then orders the
+save_pretrained into a folder] in ``engine/hf/export.py``); ``replacement_steps`` then orders the
 renames and removals so that after any one of them (a crash, a failure) the folder is read as the earlier
 checkpoint, or as the new one:
 
 1. the new ``config.json``, ``generation_config.json``: each one rename, as transformers writes them first too;
 2. the new shards, each one rename, then the new index: from here the new checkpoint is read, unless an earlier
-   single file is there (``model.safetensors``; ``pytorch_model.bin`` with ``use_safetensors=False``), which is
-   still read as before;
+   single file is there (``model.safetensors``; ``pytorch_model.bin`` with ``use_safetensors=False``), which
+   ``from_pretrained`` still reads first;
 3. the earlier files the new save does not write, single files first: removing ``model.safetensors`` is the
    moment the new checkpoint is read where one was there. Then the ``.bin`` index and the earlier shards.
 

@@ -12,8 +12,8 @@ at the device before it acts:
 - From version 5, Hugging Face ``transformers`` decides in ``PreTrainedModel.init_weights`` (which
   ``post_init()`` calls at the end of every model's ``__init__``) to skip ``initialize_weights()`` when the
   default device is meta, since ``from_pretrained`` loads the weights afterwards. A model built by user code
-  would keep PyTorch's default initialization instead of its ``_init_weights``: wrong values, silently
-  (issue 11). When ``init_weights`` asks which device it is on (its first torch call, ``torch.tensor([])``),
+  would keep PyTorch's default initialization instead of its ``_init_weights``: wrong values, silently.
+  When ``init_weights`` asks which device it is on (its first torch call, ``torch.tensor([])``),
   the model's own ``initialize_weights()`` is run, as it would be off meta: the same calls at the same point
   of the random stream, before the weights are tied, recorded like the rest (a model's
   ``initialize_weights`` skips the modules that a nested model's already initialized, as off meta).

@@ -123,7 +123,7 @@ class InitTrace:
     # ended, where it is not recorded) shows as a higher version at setup (``changed_after_recording``).
     versions: dict[int, tuple[weakref.ref, int]] = field(default_factory=dict)
     # Parameters and buffers whose values come from weight files, read a shard at a time at setup instead of
-    # replayed (see [Note: reading weights by the slice] in weight_files.py): ``pretrained.WeightLoad``s.
+    # replayed (see [Note: reading weights by the slice] in hf/weight_files.py): ``hf/weights.py``'s ``WeightLoad``s.
     weight_loads: list[Any] = field(default_factory=list)
     # The modules of the transformers models whose ``init_weights`` ran while recording: the ones their library
     # initializes. A module added later (peft's LoRA layers) is initialized by its own code, recorded as any other.

@@ -2,10 +2,10 @@
 
 [Note: each unit waits for its own gather]
 After an optimizer step, stages 1 and 2 all-gather every unit's updated shard into the full parameters and leave the
-gathers in flight (see [Note: parameters whose values are on their way] in ``core/placeholder.py``). ``begin_step``
-used to wait for all of them before the forward: on NCCL a wait is the compute stream waiting for the collective's
-end, so the first kernel of the forward waited for the *last* unit's gather, and the gathers of the later units
-overlapped nothing. DDP has no such gathers; FSDP2 and stage 3 wait for each unit's gather in that unit's forward
+gathers in flight (see [Note: parameters whose values are on their way] in ``core/arriving.py``). Waiting for
+all of them in ``begin_step``, before the forward, would make the forward's first kernel wait for the *last* unit's
+gather (on NCCL a wait is the compute stream waiting for the collective's end), and the later units' gathers would
+overlap nothing. DDP has no such gathers; FSDP2 and stage 3 wait for each unit's gather in that unit's forward
 pre-hook. So each unit here has a forward pre-hook (``ForwardWaits``) on the module it was planned from (the unit
 roots of ``plan_units``; a bucket of several, one on each), which waits for that unit's gather only, when the
 module's forward starts: the compute stream then runs the first units' kernels while the later units' gathers
@@ -22,7 +22,7 @@ are read:
   compiled code when the model is sharded (``modules_in_compiled_code``); a unit with a parameter of such a module
   is always waited for in ``begin_step``; a hook that finds itself traced does nothing
   (``torch.compiler.is_compiling()`` is constant while Dynamo traces, so the hook adds nothing to the graph and no
-  graph break); and ``begin_step`` waits, as before, for every unit whose hook did not run eagerly in the previous
+  graph break); and ``begin_step`` waits for every unit whose hook did not run eagerly in the previous
   forward. Only the units whose hook did are left in flight. A model compiled after an eager forward
   (``module.compile()`` between two steps) is waited for at ``begin_step`` from its second compiled forward on; its
   first may meet arriving parameters, whose wait then runs inside Dynamo's handling of the frame (with torch 2.13 on a

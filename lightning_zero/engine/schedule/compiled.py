@@ -7,7 +7,7 @@ The stage-3 forward hooks (``stage3.py``) of a unit called from compiled code mu
 
 - they issue collectives. Traced, Dynamo swaps the gloo broadcasts of an all-gather for functional
   collectives and runs it on fake tensors, which fails at the first compile
-  (``TorchRuntimeError: ... making fake tensor call``: what stage 3 raised before this note);
+  (``TorchRuntimeError: ... making fake tensor call``: what a traced hook raises);
 - they resize storages and read Python state that changes from call to call (which units are
   gathered, held or prefetched, the order recorded on the first step): traced, each such value would
   become a guard (a recompile) or be frozen into the graph at the value it had when traced.

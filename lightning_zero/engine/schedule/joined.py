@@ -32,7 +32,7 @@ the finished ones on dummy inputs, with an all-reduce of a "done" flag per token
   gathers is agreed (``CollectiveSequence._before``), even on track: whatever comes next after a generation loop
   (the next step's agreement, the loss forward's first gather, a synced log, the teardown) is an agreement.
 - *Served.* An agreement in which some ranks start a joined forward (all the same one) while all the others are
-  at one other agreement is no mismatch (``sequence._joinable``): the ranks that start it run it, and each other
+  at one other agreement is no mismatch (``forward_joins.joinable``): the ranks that start it run it, and each other
   rank serves it from where it is (``serve``): it takes part in the gathers of that forward's recorded units, in
   order, each into a buffer of its own that is dropped at once (``ShardedUnit.serve_gather``: nothing of its own
   state changes, so it may serve from anywhere, even from inside a gather of its own or a backward hook), checked
@@ -52,7 +52,7 @@ and ``synced_gpus=True``: a rank that ran no forward of the loop at all while ot
 where the others started, but a Fabric no-grad step's start, above), a forward that issues another collective than
 its units' gathers, and a forward starting at a unit this rank never ran, in a forward of its own or inside one (it
 cannot know which units it gathers). With ``collective_checks="off"`` nothing is agreed, so nothing is joined
-either. Outside steps (a callback that generates) every gather is agreed on its own, as before: a generation loop
+either. Outside steps (a callback that generates) every gather is agreed on its own, unjoined: a generation loop
 there must run as many forwards on every rank.
 """
 
@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from lightning_zero.engine.comm.control import code_of
-from lightning_zero.engine.comm.sequence import NEVER_RAN
+from lightning_zero.engine.comm.forward_joins import NEVER_RAN
 from lightning_zero.engine.core.unit import ShardedUnit
 from lightning_zero.engine.schedule.compiled import outside_graphs
 from lightning_zero.engine.schedule.order import UnitOrder

@@ -29,7 +29,7 @@ matches DDP with the same modules checkpointed by hand bitwise, and one without 
 random op runs. Memory: a selected module's activations live only during its own backward; the dry run
 (``python -m lightning_zero dry-run --activation-checkpointing Block``) measures the difference, and the
 estimator counts what ``profile_activations`` measures with the same policy (see [Note: activation memory per
-unit] in ``lightning_zero/activations.py``).
+unit] in ``lightning_zero/planning/activations.py``).
 
 [Note: key/value caches under recomputation]
 A Hugging Face model (any module whose ``config`` has a boolean ``use_cache``, as transformers' configs do) fills a

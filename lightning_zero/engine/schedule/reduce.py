@@ -1,5 +1,5 @@
 """The reduce wire protocol: how a unit's full gradients are packed into one buffer, reduce-scattered, and read
-back as this rank's shard of the mean (see [Note: which gradients exist] in ``grads.py`` for what the slots say).
+back as this rank's shard of the mean (see [Note: which gradients exist] in ``grad_flags.py`` for what the slots say).
 
 Rank ``r``'s chunk of the buffer is range ``r`` of the unit's flat layout followed by one slot, then zeros up to a
 16-byte multiple (``reduce_width``: see [Note: aligned chunks] in ``core/layout.py``). Every rank writes
@@ -47,14 +47,15 @@ from lightning_zero.engine.comm.comm import Pending
 from lightning_zero.engine.comm.labels import label
 from lightning_zero.engine.comm.quantized import reduce_scatter_quantized
 from lightning_zero.engine.core.layout import ShardLayout, aligned_numel
+from lightning_zero.engine.core.policy import HALF_DTYPES
 from lightning_zero.engine.core.streams import AllEvents
-from lightning_zero.engine.core.unit import HALF_DTYPES, ShardedUnit
+from lightning_zero.engine.core.unit import ShardedUnit
 
 
 def reduce_width(layout: ShardLayout, dtype: torch.dtype) -> int:
     """Elements of each rank's chunk of a reduction of ``layout`` in ``dtype``: its shard of the gradients, one slot
-    for the unused-parameter flag (see [Note: which gradients exist] in ``grads.py``), and zeros up to a multiple of
-    16 bytes, so that every chunk starts 16-byte aligned (see [Note: aligned chunks] in ``core/layout.py``).
+    for the unused-parameter flag (see [Note: which gradients exist] in ``grad_flags.py``), and zeros up to a multiple
+    of 16 bytes, so that every chunk starts 16-byte aligned (see [Note: aligned chunks] in ``core/layout.py``).
 
     Example::
 
@@ -85,7 +86,7 @@ def reduce_grads(
     ``reduce_width``), which every rank sets to 1 if it did not produce a gradient for a parameter that requires
     one (else 0): after the reduction each rank's slot is positive exactly when some rank left a parameter unused. With
     ``check_finite`` a rank whose gradients hold an inf or NaN makes the slot NaN, so after the reduction it is
-    NaN (on every rank) exactly when some rank's are (see [Note: which gradients exist] in ``grads.py``)."""
+    NaN (on every rank) exactly when some rank's are (see [Note: which gradients exist] in ``grad_flags.py``)."""
     with label("ZeRO::reduce_grads", unit.name):
         numel = unit.layout.shard_numel
         width = reduce_width(unit.layout, unit.reduce_dtype)
@@ -241,10 +242,10 @@ class ReducedGrads:
 
 
 def to_master(shard: torch.Tensor, unit: ShardedUnit) -> torch.Tensor:
-    """``shard`` in the unit's master dtype, on its master device (see [Note: offload copies]). With side streams
-    (offload on CUDA) the copy to the host is queued on the ``"reduce"`` side stream, behind the compute stream's
-    wait for the reduce-scatter and its division, and an event behind it is kept in ``unit.copied_to_host`` (see
-    [Note: copies off the compute stream] in ``core/streams.py``)."""
+    """``shard`` in the unit's master dtype, on its master device (see [Note: offload copies] in
+    ``compute_shard.py``). With side streams (offload on CUDA) the copy to the host is queued on the ``"reduce"``
+    side stream, behind the compute stream's wait for the reduce-scatter and its division, and an event behind it is
+    kept in ``unit.copied_to_host`` (see [Note: copies off the compute stream] in ``core/streams.py``)."""
     shard = shard.to(dtype=unit.master_dtype)
     streams = unit.streams
     if shard.device == unit.master_device and streams is None:

@@ -8,7 +8,7 @@
   (a unit with frozen parameters: see [Note: frozen units]).
 
 Each of these moves the unit to its next phase, ``FORWARD``, ``IDLE``, ``PRE_BACKWARD``, ``POST_BACKWARD``, and
-the phase says what backward still needs (see [Note: unit lifecycle] in ``unit.py``).
+the phase says what backward still needs (see [Note: unit lifecycle] in ``unit_state.py``).
 
 The forward hooks run eagerly, outside ``torch.compile`` graphs (see [Note: torch.compile] in ``compiled.py``).
 
@@ -20,7 +20,7 @@ starts, the all-gathers of the next ``prefetch`` units are issued asynchronously
 travel while unit ``k`` computes; the unit's own hook then only waits. At most ``prefetch + 1``
 units (plus the held root unit) are gathered at once in forward; in backward one more at most, a
 unit whose reduction or whose inputs' gradients (see [Note: frozen units]) are still to come, as
-long as units complete in the order of the first step (see [Note: reduce order] in ``grads.py``). A
+long as units complete in the order of the first step (see [Note: reduce order] in ``reduce_order.py``). A
 step that leaves the recorded order (control flow that changed) simply stops prefetching for the
 rest of that pass, and units prefetched but not used are freed when the backward pass or the step
 ends. ``reshard_after_forward=False`` keeps each unit gathered from its forward until its gradients
@@ -74,7 +74,8 @@ from torch.utils._pytree import tree_flatten
 from lightning_zero.engine.comm.labels import label
 from lightning_zero.engine.core.grouping import ROOT_NAME
 from lightning_zero.engine.core.hooks import EngineHook
-from lightning_zero.engine.core.unit import ShardedUnit, UnitPhase
+from lightning_zero.engine.core.unit import ShardedUnit
+from lightning_zero.engine.core.unit_state import UnitPhase
 from lightning_zero.engine.errors import FoldedModuleError
 from lightning_zero.engine.schedule.compiled import outside_graphs
 from lightning_zero.engine.schedule.joined import JoinedForwards
@@ -108,7 +109,7 @@ class Stage3Hooks:
         self.queue_finish = queue_finish
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
-        # Which units backward still needs is their phase, PRE_BACKWARD (see [Note: unit lifecycle] in unit.py).
+        # Which units backward still needs is their phase, PRE_BACKWARD (see [Note: unit lifecycle] in unit_state.py).
         self.held: set[ShardedUnit] = set()
         self._handles: list[Any] = []
         self.forward_order = UnitOrder()
@@ -241,7 +242,7 @@ class Stage3Hooks:
         if joined is not None and unit not in self.held:
             if self._pass_order is not None and not torch.is_grad_enabled():  # see [Note: joined forwards]
                 with joined.comm.forward_collectives():
-                    if not joined.unit_starts(unit):  # the first no-grad forward since the ranks met: as before
+                    if not joined.unit_starts(unit):  # the first no-grad forward since they met: prefetch
                         self._prefetch_in_step(unit)
                     unit.unshard()
                 return

@@ -40,7 +40,6 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from lightning_zero.engine.checkpoint.saving import Ranks, gather_from_every_rank
 from lightning_zero.engine.core.unit import ShardedUnit
 from lightning_zero.engine.errors import CheckpointSaveError
 from lightning_zero.engine.io.files import (
@@ -53,6 +52,7 @@ from lightning_zero.engine.io.files import (
     release,
     remove,
 )
+from lightning_zero.engine.io.ranks import Ranks, gather_from_every_rank
 from lightning_zero.engine.io.weight_folder import SAFETENSORS_INDEX, Step, read_by_loader, replacement_steps
 
 STAGING = "save_pretrained"  # the staging folder is ``.save_pretrained.tmp-<token>`` inside the target

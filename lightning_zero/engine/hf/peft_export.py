@@ -19,7 +19,7 @@ the two ways peft users save it.
   ``save_pretrained`` would write, without changing the model: each adapted layer's units are gathered (every
   rank), the rank that writes its weight adds peft's own ``get_delta_weight`` of each active adapter to it, as
   peft's ``merge`` adds it; everything else is written as the sharded export writes any model (see [Note:
-  writing a Hugging Face checkpoint] in ``hf_export.py``), under the base model's names. Other adapters (DoRA
+  writing a Hugging Face checkpoint] in ``export.py``), under the base model's names. Other adapters (DoRA
   and other variants, other tuners, ``modules_to_save``) are refused, saying how to merge them with peft.
 
 The files are put in place as [Note: save_pretrained into a folder] describes. For an adapter, the earlier
@@ -42,7 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_zero.engine.checkpoint.hf_export import (
+from lightning_zero.engine.core.unit import ShardedUnit
+from lightning_zero.engine.errors import CheckpointSaveError
+from lightning_zero.engine.hf.export import (
     FolderLayout,
     WeightPlan,
     check_part_of,
@@ -50,9 +52,7 @@ from lightning_zero.engine.checkpoint.hf_export import (
     stored_names,
     write_weights,
 )
-from lightning_zero.engine.checkpoint.saving import Ranks, gather_from_every_rank
-from lightning_zero.engine.core.unit import ShardedUnit
-from lightning_zero.engine.errors import CheckpointSaveError
+from lightning_zero.engine.io.ranks import Ranks, gather_from_every_rank
 from lightning_zero.engine.io.weight_folder import Step
 
 ADAPTER_CONFIG = "adapter_config.json"

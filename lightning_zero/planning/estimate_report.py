@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from lightning_zero.activations import ActivationProfile
+    from lightning_zero.planning.activations import ActivationProfile
 
 #: Default bus bandwidth (GB/s) within one node: NVLink class, below the 230-250 GB/s all-reduce bus
 #: bandwidth nccl-tests reports for 8 x A100 SXM4 (H100 SXM reaches about 450).

@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from lightning_zero.engine.core.unit import ShardedUnit
-from lightning_zero.engine.io.weight_files import WeightFiles
-from lightning_zero.engine.meta.init_trace import MetaInitError
+from lightning_zero.engine.errors import MetaInitError
+from lightning_zero.engine.hf.weight_files import WeightFiles
 
 
 @dataclass
